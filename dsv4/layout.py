@@ -1,0 +1,338 @@
+"""Declarative layout specs for every operand at a kernel boundary.
+
+One :class:`OpSpec` per op lists its operands (:class:`TensorSpec`: dtype, symbolic shape,
+major-ness, alignment, packing, scale-factor layout) and its constraints. The same object
+
+(a) validates inputs before any launch (:meth:`OpSpec.validate`), raising :class:`LayoutError`
+    that names the argument and says expected vs got;
+(b) prints itself next to the actual tensors at the kernel boundary when
+    ``DSV4_PRINT_LAYOUTS=1`` (and through ``dsv4 layouts OP``);
+(c) renders ``docs/layouts/<op>.md`` (``python -m dsv4 layouts --write docs/layouts``).
+
+Shapes are tuples of ints or expressions over symbols, e.g. ``("M", "K // 2")`` or
+``("cdiv(M, 128)", "cdiv(K // 16, 4)", 32, 4, 4)``. A bare symbol is bound by the first operand
+that has it; every other occurrence and every expression is checked against the binding.
+"""
+from __future__ import annotations
+
+import ast
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+__all__ = ["LayoutError", "TensorSpec", "Param", "OpSpec", "print_boundary", "write_docs", "dtype_name"]
+
+
+class LayoutError(ValueError):
+    """An argument does not match its layout spec. The message names the argument."""
+
+
+_DTYPE_NAMES = {
+    torch.uint8: "uint8", torch.int8: "int8", torch.int32: "int32", torch.int64: "int64",
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.float64: "float64", torch.bool: "bool",
+}
+for _n in ("float8_e4m3fn", "float8_e8m0fnu", "float8_e5m2", "float4_e2m1fn_x2"):
+    if hasattr(torch, _n):
+        _DTYPE_NAMES[getattr(torch, _n)] = _n
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
+
+
+# --------------------------------------------------------------------------------------------
+# tiny safe expression evaluator for symbolic dims
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+           ast.Gt: operator.gt, ast.GtE: operator.ge}
+_FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min, "round_up": lambda a, b: -(-a // b) * b}
+
+
+def _eval(expr: str, env: Mapping[str, int]) -> Any:
+    def ev(n: ast.AST) -> Any:
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant) and isinstance(n.value, (int, bool)):
+            return n.value
+        if isinstance(n, ast.Name):
+            if n.id not in env:
+                raise KeyError(n.id)
+            return env[n.id]
+        if isinstance(n, ast.BinOp) and type(n.op) in _BINOPS:
+            return _BINOPS[type(n.op)](ev(n.left), ev(n.right))
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        if isinstance(n, ast.Compare) and len(n.ops) == 1 and type(n.ops[0]) in _CMPOPS:
+            return _CMPOPS[type(n.ops[0])](ev(n.left), ev(n.comparators[0]))
+        if isinstance(n, ast.BoolOp):
+            vals = [ev(v) for v in n.values]
+            return all(vals) if isinstance(n.op, ast.And) else any(vals)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _FUNCS:
+            return _FUNCS[n.func.id](*(ev(a) for a in n.args))
+        raise ValueError(f"unsupported expression {expr!r}")
+    return ev(ast.parse(expr, mode="eval"))
+
+
+def _is_symbol(d: Any) -> bool:
+    return isinstance(d, str) and d.isidentifier()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One operand of an op.
+
+    Args:
+        name: argument name (as in the public function).
+        dtype: allowed torch dtypes (one or a tuple).
+        shape: symbolic shape, e.g. ``("num_blocks", "block_size", 68)``.
+        major: ``"row"`` (fully contiguous, row-major), ``"inner"`` (last dim stride 1, other
+            strides free) or ``"any"``.
+        align: required byte alignment of the data pointer (checked on CUDA tensors).
+        packing: how values are packed in elements, e.g. "2 x E2M1 per byte, element 2i in the low nibble".
+        scale: the scale-factor layout this operand is or uses.
+        doc: what the operand holds.
+        optional: may be ``None``.
+        output: produced by the op (documented, validated when the caller passes ``out=``).
+    """
+
+    name: str
+    dtype: Any
+    shape: tuple
+    major: str = "row"
+    align: int = 16
+    packing: str = ""
+    scale: str = ""
+    doc: str = ""
+    optional: bool = False
+    output: bool = False
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return self.dtype if isinstance(self.dtype, tuple) else (self.dtype,)
+
+    def shape_str(self) -> str:
+        return "[" + ", ".join(str(d) for d in self.shape) + "]"
+
+    def dtype_str(self) -> str:
+        return " | ".join(dtype_name(d) for d in self.dtypes)
+
+    def describe(self) -> str:
+        s = f"{self.name}: {self.dtype_str()} {self.shape_str()} ({self.major}-major, {self.align} B aligned)"
+        if self.packing:
+            s += f"; packing: {self.packing}"
+        if self.scale:
+            s += f"; scale: {self.scale}"
+        return s
+
+
+@dataclass(frozen=True)
+class Param:
+    """A scalar parameter of an op: name, type, allowed values/range (as text), meaning."""
+
+    name: str
+    type: str
+    allowed: str
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """The boundary of one op: operands, scalar params, constraints, formula and its source."""
+
+    name: str
+    summary: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...] = ()
+    params: tuple[Param, ...] = ()
+    #: (boolean expression over symbols, message) checked after binding
+    constraints: tuple[tuple[str, str], ...] = ()
+    formula: str = ""
+    source: str = ""
+    notes: str = ""
+
+    def operand(self, name: str) -> TensorSpec:
+        for t in self.inputs + self.outputs:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    # -- validation ------------------------------------------------------------------------
+    def validate(self, tensors: Mapping[str, torch.Tensor | None], *, symbols: Mapping[str, int] | None = None,
+                 specs: Sequence[TensorSpec] | None = None) -> dict[str, int]:
+        """Check ``tensors`` against the spec; return the bound symbols.
+
+        Raises:
+            LayoutError: naming the first argument that does not match (dtype, rank, dim,
+                contiguity, alignment, device), with expected vs got.
+        """
+        specs = list(specs if specs is not None else self.inputs)
+        env: dict[str, int] = dict(symbols or {})
+        device = None
+        present: list[tuple[TensorSpec, torch.Tensor]] = []
+        for ts in specs:
+            t = tensors.get(ts.name)
+            if t is None:
+                if ts.optional or ts.output:
+                    continue
+                raise LayoutError(f"{self.name}: argument '{ts.name}' is required: expected {ts.describe()}")
+            if not isinstance(t, torch.Tensor):
+                raise LayoutError(f"{self.name}: argument '{ts.name}' must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in ts.dtypes:
+                raise LayoutError(f"{self.name}: argument '{ts.name}' has dtype {dtype_name(t.dtype)}, "
+                                  f"expected {ts.dtype_str()} ({ts.describe()})")
+            if t.dim() != len(ts.shape):
+                raise LayoutError(f"{self.name}: argument '{ts.name}' has shape {list(t.shape)} (rank {t.dim()}), "
+                                  f"expected rank {len(ts.shape)} {ts.shape_str()}")
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise LayoutError(f"{self.name}: argument '{ts.name}' is on {t.device}, other arguments on {device}")
+            present.append((ts, t))
+            for d, n in zip(ts.shape, t.shape):
+                if _is_symbol(d) and d not in env:
+                    env[d] = int(n)
+        for ts, t in present:
+            for i, (d, n) in enumerate(zip(ts.shape, t.shape)):
+                try:
+                    want = d if isinstance(d, int) else _eval(d, env)
+                except KeyError as e:
+                    raise LayoutError(f"{self.name}: cannot check '{ts.name}' dim {i} ({d}): "
+                                      f"symbol {e} is unbound") from None
+                if int(n) != want:
+                    bound = {k: v for k, v in env.items() if isinstance(d, str) and k in d}
+                    raise LayoutError(
+                        f"{self.name}: argument '{ts.name}' has shape {list(t.shape)}, expected "
+                        f"{ts.shape_str()} = dim {i} should be {want} ({d} with {bound})")
+            self._check_major(ts, t)
+            if t.device.type == "cuda" and ts.align > 1 and t.numel() > 0 and not _is_fake(t):
+                if t.data_ptr() % ts.align:
+                    raise LayoutError(f"{self.name}: argument '{ts.name}' data pointer is not {ts.align}-byte "
+                                      f"aligned (offset {t.data_ptr() % ts.align}); expected {ts.describe()}")
+        for expr, msg in self.constraints:
+            try:
+                ok = _eval(expr, env)
+            except KeyError:
+                continue  # constraint on an absent optional operand
+            if not ok:
+                raise LayoutError(f"{self.name}: {msg} (violated: {expr} with "
+                                  f"{ {k: v for k, v in env.items() if k in expr} })")
+        return env
+
+    def _check_major(self, ts: TensorSpec, t: torch.Tensor) -> None:
+        if ts.major == "any" or t.numel() == 0:
+            return
+        if ts.major == "row" and not t.is_contiguous():
+            raise LayoutError(f"{self.name}: argument '{ts.name}' must be contiguous row-major, got strides "
+                              f"{list(t.stride())} for shape {list(t.shape)} (call .contiguous())")
+        if ts.major == "inner" and t.dim() and t.stride(-1) != 1 and t.shape[-1] != 1:
+            raise LayoutError(f"{self.name}: argument '{ts.name}' must have unit stride in its last dim, got "
+                              f"strides {list(t.stride())}")
+
+    # -- rendering -------------------------------------------------------------------------
+    def text(self) -> str:
+        lines = [f"{self.name}: {self.summary}"]
+        if self.formula:
+            lines.append(f"  formula: {self.formula}")
+        if self.source:
+            lines.append(f"  source: {self.source}")
+        for title, group in (("inputs", self.inputs), ("outputs", self.outputs)):
+            if group:
+                lines.append(f"  {title}:")
+                for ts in group:
+                    lines.append("    " + ts.describe() + (" (optional)" if ts.optional else ""))
+                    if ts.doc:
+                        lines.append("      " + ts.doc)
+        if self.params:
+            lines.append("  params:")
+            for p in self.params:
+                lines.append(f"    {p.name}: {p.type} in {p.allowed}" + (f" -- {p.doc}" if p.doc else ""))
+        if self.constraints:
+            lines.append("  constraints:")
+            for expr, msg in self.constraints:
+                lines.append(f"    {expr}  ({msg})")
+        if self.notes:
+            lines.append("  notes: " + self.notes)
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        out = [f"# `{self.name}`", "", self.summary, ""]
+        out.append("<!-- generated by `python -m dsv4 layouts --write docs/layouts`; do not edit -->")
+        out.append("")
+        if self.formula:
+            out += ["**Formula:** `" + self.formula + "`", ""]
+        if self.source:
+            out += ["**Source:** " + self.source, ""]
+        for title, group in (("Inputs", self.inputs), ("Outputs", self.outputs)):
+            if not group:
+                continue
+            out += [f"## {title}", "", "| operand | dtype | shape | major | align | packing | scale layout | meaning |",
+                    "|---|---|---|---|---|---|---|---|"]
+            for ts in group:
+                out.append(f"| `{ts.name}`{' (optional)' if ts.optional else ''} | {ts.dtype_str()} | "
+                           f"`{ts.shape_str()}` | {ts.major} | {ts.align} B | {ts.packing or '-'} | "
+                           f"{ts.scale or '-'} | {ts.doc or '-'} |")
+            out.append("")
+        if self.params:
+            out += ["## Parameters", "", "| name | type | allowed | meaning |", "|---|---|---|---|"]
+            out += [f"| `{p.name}` | {p.type} | {p.allowed} | {p.doc or '-'} |" for p in self.params]
+            out.append("")
+        if self.constraints:
+            out += ["## Constraints (checked before launch)", ""]
+            out += [f"- `{e}`: {m}" for e, m in self.constraints]
+            out.append("")
+        if self.notes:
+            out += ["## Notes", "", self.notes, ""]
+        return "\n".join(out).rstrip() + "\n"
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return type(t).__name__ in ("FakeTensor", "FunctionalTensor") or t.device.type == "meta"
+
+
+def print_boundary(spec: OpSpec, choice: Any, args: Mapping[str, Any]) -> None:
+    """Print the spec next to the actual operands (``DSV4_PRINT_LAYOUTS=1``)."""
+    lines = [f"[dsv4] {spec.name} -> {getattr(choice, 'kind', choice)} ({getattr(choice, 'reason', '')})"]
+    for k, v in args.items():
+        if isinstance(v, torch.Tensor):
+            try:
+                want = spec.operand(k).describe()
+            except KeyError:
+                want = "(internal)"
+            lines.append(f"    {k}: got {dtype_name(v.dtype)} {list(v.shape)} stride {list(v.stride())} "
+                         f"on {v.device} | spec {want}")
+        elif v is not None and not callable(v):
+            lines.append(f"    {k} = {v!r}")
+    print("\n".join(lines), flush=True)
+
+
+def write_docs(directory: str, check: bool = False) -> list[str]:
+    """Write ``<directory>/<op>.md`` for every registered op (or, with ``check``, list stale files)."""
+    import os
+    from .registry import all_ops
+    stale = []
+    os.makedirs(directory, exist_ok=True)
+    index = ["# Layout specs", "", "Generated from each op's `OpSpec` (`python -m dsv4 layouts --write docs/layouts`).", ""]
+    for op in all_ops():
+        md = op.spec.markdown()
+        path = os.path.join(directory, f"{op.name}.md")
+        index.append(f"- [`{op.name}`]({op.name}.md): {op.spec.summary}")
+        old = open(path).read() if os.path.exists(path) else None
+        if old != md:
+            stale.append(path)
+            if not check:
+                with open(path, "w") as f:
+                    f.write(md)
+    idx_md = "\n".join(index) + "\n"
+    ipath = os.path.join(directory, "README.md")
+    old = open(ipath).read() if os.path.exists(ipath) else None
+    if old != idx_md:
+        stale.append(ipath)
+        if not check:
+            with open(ipath, "w") as f:
+                f.write(idx_md)
+    return stale

@@ -1,0 +1,22 @@
+"""Public ops. Importing this package registers every op with :mod:`dsv4.registry`.
+
+Each op lives in one module here (``dsv4/ops/<op>.py``): its :class:`~dsv4.layout.OpSpec`,
+its public function, and its ``torch.library`` custom op (``torch.ops.dsv4.<name>``) with a
+fake implementation. Modules are discovered automatically: adding an op is adding a file.
+Public functions are re-exported here (each module lists them in ``__all__``).
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+__all__: list[str] = []
+
+for _m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if _m.name.startswith("_"):
+        continue
+    _mod = importlib.import_module(f"{__name__}.{_m.name}")
+    for _name in getattr(_mod, "__all__", ()):
+        if not _name.isupper() and _name not in ("str_dtype",):
+            globals()[_name] = getattr(_mod, _name)
+            __all__.append(_name)

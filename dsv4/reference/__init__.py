@@ -1,0 +1,1 @@
+"""Plain-torch references: the correctness oracle behind every op (provider kind ``torch``)."""

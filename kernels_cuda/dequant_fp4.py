@@ -1,0 +1,45 @@
+"""CUDA (NVRTC) provider for dequant_fp4: ``dequant_fp4.cu``, one thread per 16-byte chunk."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dsv4.registry import Provider, Support
+
+from ._provider import cuda_available
+from .nvrtc import launch, load
+
+_FMT = {"mxfp4": 0, "nvfp4": 1}
+_OUT = {"bfloat16": 0, "float32": 1}
+
+
+class CudaDequantFp4(Provider):
+    kind = "cuda"
+    describe = "dequant_fp4.cu: prmt byte-LUT E2M1 decode, 16 B loads/stores"
+
+    def available(self):
+        return cuda_available()
+
+    def supports(self, problem, target):
+        if not target.is_cuda:
+            return Support.no("cuda: tensors are not on a CUDA device")
+        if target.arch != "sm_90a":
+            return Support.no(f"cuda: built for sm_90a only, device is {target.arch}")
+        if problem["K"] % 32:
+            return Support.no(f"cuda: K={problem['K']} is not a multiple of 32 (one 16-byte chunk per thread)")
+        return Support.yes("sm_90a, K % 32 == 0")
+
+    def run(self, problem, *, data, scale, global_scale):
+        from dsv4.ops._common import str_dtype
+        M, K = data.shape[0], 2 * data.shape[1]
+        out = torch.empty((M, K), dtype=str_dtype(problem["out_dtype"]), device=data.device)
+        n = M * K // 32
+        if n == 0:
+            return out
+        mod = load("dequant_fp4.cu", DSV4_FMT=_FMT[problem["fmt"]], DSV4_OUT=_OUT[problem["out_dtype"]])
+        g = global_scale if global_scale is not None else data  # unused pointer for mxfp4
+        launch(mod.kernel("dequant_fp4_kernel"), (n + 255) // 256, 256, data, scale, g, out, np.int64(n))
+        return out
+
+
+PROVIDERS = {"dequant_fp4": CudaDequantFp4}
