@@ -1,0 +1,115 @@
+"""Shared benchmark helpers: timing with CUDA events (median), the measured copy-bandwidth
+roofline, the ratio table and JSON output. Import as ``from bench._util import ...`` (run
+benchmarks from the repo root with ``PYTHONPATH=.`` or through ``dsv4 bench OP``).
+
+Method (shared/reference + the device METHOD.md): warm up, then time many repetitions with
+CUDA events and report the median; rotate among several input sets whose total size exceeds
+the 60 MB L2 so that the cache does not flatter memory-bound kernels; measure the device
+copy bandwidth (bytes read + written) in the same process and use it as the ceiling.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["time_cuda", "copy_bandwidth", "env_info", "print_table", "save_json", "FP8_PEAK_TFLOPS",
+           "BF16_PEAK_TFLOPS", "rotating"]
+
+#: Dense tensor-core peaks measured on the project's H200 (shared/reference/anchors.md section 4 and
+#: cutedsl_guide.md: CUTLASS CuTe DSL Hopper GEMM at 8192^3). Benchmarks that can afford it
+#: re-measure with ``torch._scaled_mm`` / ``torch.matmul`` in the same run.
+FP8_PEAK_TFLOPS = 1716.0
+BF16_PEAK_TFLOPS = 790.0
+
+
+def time_cuda(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 50, graph: bool = False) -> float:
+    """Median time of ``fn()`` in microseconds, timed with CUDA events per call.
+
+    With ``graph=True`` the call is captured in a CUDA graph and replays are timed (hides
+    launch overhead; use for multi-launch sequences when measuring the kernels themselves).
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, stream=s):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        run = g.replay
+        run()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        run()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def rotating(make: Callable[[int], Any], total_bytes_each: int, min_total: int = 256 << 20) -> list:
+    """Build enough input sets (``make(i)``) that together they exceed ``min_total`` bytes (> L2)."""
+    n = max(1, min(16, -(-min_total // max(1, total_bytes_each))))
+    return [make(i) for i in range(n)]
+
+
+_BW: dict[int, float] = {}
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth in GB/s, counting bytes read + written."""
+    dev = torch.cuda.current_device()
+    if dev not in _BW:
+        a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+        a.uniform_()
+        b = torch.empty_like(a)
+        us = time_cuda(lambda: b.copy_(a), warmup=3, iters=20)
+        _BW[dev] = 2 * nbytes / (us * 1e-6) / 1e9
+        del a, b
+        torch.cuda.empty_cache()
+    return _BW[dev]
+
+
+def env_info() -> dict:
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, cc=f"{p.major}.{p.minor}")
+    return info
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -> None:
+    """Plain fixed-width table (the device tool returns the tail of stdout)."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    w = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    if title:
+        print(title)
+    print("  ".join(c.ljust(w[i]) for i, c in enumerate(columns)))
+    for x in cells:
+        print("  ".join(v.ljust(w[i]) for i, v in enumerate(x)))
+
+
+def save_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(env=env_info(), **payload), f, indent=1, default=str)
