@@ -53,29 +53,55 @@ _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min, "round_up": lambda a, b: -(-a // b) * b}
 
 
-def _eval(expr: str, env: Mapping[str, int]) -> Any:
-    def ev(n: ast.AST) -> Any:
+_COMPILED: dict[str, Any] = {}
+
+
+def _check_ast(expr: str) -> None:
+    """Allow only integer arithmetic, comparisons, and/or, symbols and the helper functions."""
+    def ok(n: ast.AST) -> None:
         if isinstance(n, ast.Expression):
-            return ev(n.body)
+            return ok(n.body)
         if isinstance(n, ast.Constant) and isinstance(n.value, (int, bool)):
-            return n.value
+            return
         if isinstance(n, ast.Name):
-            if n.id not in env:
-                raise KeyError(n.id)
-            return env[n.id]
+            return
         if isinstance(n, ast.BinOp) and type(n.op) in _BINOPS:
-            return _BINOPS[type(n.op)](ev(n.left), ev(n.right))
+            return ok(n.left) or ok(n.right)
         if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-            return -ev(n.operand)
+            return ok(n.operand)
         if isinstance(n, ast.Compare) and len(n.ops) == 1 and type(n.ops[0]) in _CMPOPS:
-            return _CMPOPS[type(n.ops[0])](ev(n.left), ev(n.comparators[0]))
+            return ok(n.left) or ok(n.comparators[0])
         if isinstance(n, ast.BoolOp):
-            vals = [ev(v) for v in n.values]
-            return all(vals) if isinstance(n.op, ast.And) else any(vals)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _FUNCS:
-            return _FUNCS[n.func.id](*(ev(a) for a in n.args))
+            for v in n.values:
+                ok(v)
+            return
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _FUNCS and not n.keywords:
+            for a in n.args:
+                ok(a)
+            return
         raise ValueError(f"unsupported expression {expr!r}")
-    return ev(ast.parse(expr, mode="eval"))
+    ok(ast.parse(expr, mode="eval"))
+
+
+def _compiled(expr: str) -> Any:
+    """The expression as a plain Python function of the symbol dict (validated once, cached):
+    no ``ast`` work per call, so it is cheap and traceable by ``torch.compile``."""
+    fn = _COMPILED.get(expr)
+    if fn is None:
+        _check_ast(expr)
+        names = sorted({n.id for n in ast.walk(ast.parse(expr, mode="eval"))
+                        if isinstance(n, ast.Name) and n.id not in _FUNCS})
+        body = expr
+        src = "lambda _e: (lambda " + ", ".join(names) + ": " + body + ")(" + \
+            ", ".join(f"_e[{n!r}]" for n in names) + ")" if names else "lambda _e: " + body
+        fn = eval(src, dict(_FUNCS, __builtins__={}))  # noqa: S307 - AST checked above
+        _COMPILED[expr] = fn
+    return fn
+
+
+def _eval(expr: str, env: Mapping[str, int]) -> Any:
+    """Evaluate a symbolic-dim expression; ``KeyError(name)`` when a symbol is unbound."""
+    return _compiled(expr)(env)
 
 
 def _is_symbol(d: Any) -> bool:
@@ -119,7 +145,7 @@ class TensorSpec:
         return "[" + ", ".join(str(d) for d in self.shape) + "]"
 
     def dtype_str(self) -> str:
-        return " | ".join(dtype_name(d) for d in self.dtypes)
+        return " or ".join(dtype_name(d) for d in self.dtypes)
 
     def describe(self) -> str:
         s = f"{self.name}: {self.dtype_str()} {self.shape_str()} ({self.major}-major, {self.align} B aligned)"

@@ -1,0 +1,294 @@
+"""Benchmark the kv_cache ops (cuda provider) vs the torch reference and the copy-bandwidth roofline.
+
+Cases (DSV4-Flash sizes): append (SWA / compressed cache insert), compressors (attention d=512 and
+indexer d=128, CSA ratio 4 and HCA ratio 128) and the SWA + top-k gather, each at decode
+(B = 128) and prefill (32k tokens) sizes.
+
+Time per call = CUDA-graph replay of ITERS calls rotating over input copies whose total size
+exceeds L2 (>= 256 MB where the case is large enough), median over REPS replays. Roofline =
+compulsory bytes (read + written, listed per case) / measured device-to-device copy bandwidth
+(bytes read + written of a 2 GiB copy). The torch reference (eager; it syncs, so no graph) is
+timed with CUDA events, median.
+
+    PYTHONPATH=. python3 bench/bench_kv_cache.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from bench._util import copy_bandwidth, print_table, save_json, time_cuda
+from dsv4 import registry
+from dsv4.ops.kv_cache import kv_cache_append, kv_compress_decode, kv_compress_prefill, kv_gather, new_compress_state
+from dsv4.reference import kv_cache as ref
+from dsv4.reference.rope import rope_cos_sin_table
+
+ITERS, REPS = 20, 15
+
+
+def time_graph(fns, iters: int = ITERS, reps: int = REPS) -> float:
+    """Median microseconds per call of fns[i % len(fns)] replayed in one CUDA graph."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(iters):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / iters)
+    return statistics.median(ts)
+
+
+def n_sets(bytes_each: int, min_total: int = 256 << 20) -> int:
+    return max(1, min(8, -(-min_total // max(1, bytes_each))))
+
+
+def kv_rows(n, gen_seed, dev):
+    g = torch.Generator(device=dev).manual_seed(gen_seed)
+    x = torch.randn(n, 512, device=dev, generator=g) * 2
+    x[:, 7] *= 50
+    return x.bfloat16()
+
+
+def bench_append(dev, bw, rows):
+    for label, N in (("decode B=128", 128), ("prefill 32k", 32768)):
+        nb, bs = max(64, 4 * N // 64), 64
+        cache = torch.zeros(nb, bs * 584, dtype=torch.uint8, device=dev)
+        k = n_sets(N * 1024)
+        xs = [kv_rows(N, i, dev) for i in range(k)]
+        sl = [torch.randperm(nb * bs, device=dev)[:N] for _ in range(k)]
+        nbytes = N * (1024 + 584 + 8)
+        with registry.use(kv_cache_append="cuda"):
+            t = time_graph([lambda i=i: kv_cache_append(cache, xs[i], sl[i]) for i in range(k)])
+        tr = time_cuda(lambda: ref.kv_cache_append_ref(cache, xs[0], sl[0]), warmup=2, iters=10)
+        rows.append(dict(op="append fp8_ds_mla", case=label, us=t, ref_us=tr, MB=nbytes / 1e6,
+                         roof_us=nbytes / bw * 1e6))
+
+
+def _compress_inputs(T, d, ratio, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    coff = 2 if ratio == 4 else 1
+    kv = torch.randn(T, coff * d, device=dev, generator=g)
+    sc = torch.randn(T, coff * d, device=dev, generator=g)
+    return kv, sc
+
+
+def bench_compress(dev, bw, rows):
+    for d, ratio in ((512, 4), (512, 128), (128, 4), (128, 128)):
+        coff = 2 if ratio == 4 else 1
+        ch = coff * d
+        per = 584 if d == 512 else 68
+        ape = torch.randn(ratio, ch, device=dev)
+        w = torch.rand(d, device=dev) + 0.5
+        table = rope_cos_sin_table(65536, device=dev)
+        name = f"compress d={d} r={ratio}"
+        # ---- prefill: one 32k-token sequence
+        T = 32768
+        E = T // ratio
+        k = n_sets(T * ch * 8)
+        ins = [_compress_inputs(T, d, ratio, dev, i) for i in range(k)]
+        cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+        bs = 64
+        bt = torch.arange(E // bs + 1, dtype=torch.int32, device=dev).view(1, -1)
+        cache = torch.zeros(E // bs + 1, bs * per, dtype=torch.uint8, device=dev)
+        ks, ss = new_compress_state(1, ratio, d, dev)
+        nbytes = T * ch * 8 + E * per + ks.numel() * 8
+        with registry.use(kv_compress_prefill="cuda"):
+            t = time_graph([lambda i=i: kv_compress_prefill(ins[i][0], ins[i][1], ape, w, table, cu, bt, cache,
+                                                            kv_state=ks, score_state=ss) for i in range(k)])
+        tr = time_cuda(lambda: ref.kv_compress_prefill_ref(ins[0][0], ins[0][1], ape, w, table, cu, bt, cache, ks, ss),
+                       warmup=2, iters=5)
+        rows.append(dict(op=name, case="prefill 32k", us=t, ref_us=tr, MB=nbytes / 1e6, roof_us=nbytes / bw * 1e6))
+        # ---- decode: B = 128, every sequence at a block boundary (worst case) / mid-block
+        B = 128
+        nr = coff * ratio
+        kstate = [new_compress_state(B, ratio, d, dev) for _ in range(n_sets(B * nr * ch * 8))]
+        for st in kstate:
+            st[0].normal_()
+            st[1].normal_()
+        dins = [_compress_inputs(B, d, ratio, dev, 100 + i) for i in range(len(kstate))]
+        btd = torch.arange(B * 8, dtype=torch.int32, device=dev).view(B, 8)
+        cached = torch.zeros(B * 8, bs * per, dtype=torch.uint8, device=dev)
+        for label, off in (("decode B=128 emit", ratio - 1), ("decode B=128 no-emit", 0)):
+            pos = (torch.arange(B, device=dev) * 7 % 100) * ratio + off
+            emit = off == ratio - 1
+            state_b = (ch * 8 + (nr * d * 8 + (2 * ratio * ch * 8 if ratio == 4 else 0) if emit else 0))
+            nbytes = B * (ch * 8 + state_b + (per if emit else 0))
+            with registry.use(kv_compress_decode="cuda"):
+                t = time_graph([lambda i=i: kv_compress_decode(dins[i][0], dins[i][1], ape, w, table, pos, btd, cached,
+                                                               kstate[i][0], kstate[i][1]) for i in range(len(kstate))])
+            tr = time_cuda(lambda: ref.kv_compress_decode_ref(dins[0][0], dins[0][1], ape, w, table, pos, btd, cached,
+                                                              kstate[0][0], kstate[0][1]), warmup=2, iters=10)
+            rows.append(dict(op=name, case=label, us=t, ref_us=tr, MB=nbytes / 1e6, roof_us=nbytes / bw * 1e6))
+        del ins, kstate, dins
+        torch.cuda.empty_cache()
+
+
+def bench_gather(dev, bw, rows):
+    bs = 64
+    for label, R, T, K, ctx in (("decode B=128 (128+512)", 128, 128, 512, 8192),
+                                ("prefill 8 x 32k ctx (128+8192)", 8, 8, 8192, 32768)):
+        ne = ctx // 4                                   # C4 compressed entries per request
+        pages = ne // bs
+        nbc = R * pages
+        cache = torch.empty(nbc, bs * 584, dtype=torch.uint8, device=dev)
+        swa = torch.empty(R * 2, 64 * 584, dtype=torch.uint8, device=dev)
+        kv_cache_append(cache, kv_rows(nbc * bs, 1, dev), torch.arange(nbc * bs, device=dev))
+        kv_cache_append(swa, kv_rows(R * 128, 2, dev), torch.arange(R * 128, device=dev))
+        bt = torch.randperm(nbc, device=dev).view(R, pages).to(torch.int32)
+        swa_bt = torch.arange(R * 2, dtype=torch.int32, device=dev).view(R, 2)
+        rows_out = T * (128 + K)
+        k = n_sets(rows_out * 1024)
+        idx = [torch.randint(0, ne, (T, K), device=dev, dtype=torch.int32) for _ in range(k)]
+        if K == ne:
+            idx = [torch.arange(ne, dtype=torch.int32, device=dev).repeat(T, 1) for _ in range(k)]
+        swa_idx = torch.arange(128, dtype=torch.int32, device=dev).repeat(T, 1)
+        nbytes = rows_out * (584 + 1024 + 4)
+        with registry.use(kv_gather="cuda"):
+            t = time_graph([lambda i=i: kv_gather(cache, bt, idx[i], swa_cache=swa, swa_block_table=swa_bt,
+                                                  swa_indices=swa_idx) for i in range(k)])
+        tr = time_cuda(lambda: ref.kv_gather_ref(cache, bt, idx[0], None, swa, swa_bt, swa_idx), warmup=2, iters=10)
+        rows.append(dict(op="gather fp8_ds_mla", case=label, us=t, ref_us=tr, MB=nbytes / 1e6,
+                         roof_us=nbytes / bw * 1e6))
+        del cache, swa, idx
+        torch.cuda.empty_cache()
+
+
+def bench_variants(dev, bw, rows):
+    """Tuning variants of kv_cache.cu: time + bit-equality against the default's output."""
+    import kernels_cuda.kv_cache as kc
+
+    def run_variant(v, make_fns, out_fn):
+        kc.VARIANT.clear()
+        kc.VARIANT.update(v)
+        try:
+            fns = make_fns()
+            t = time_graph(fns)
+            fns[0]()
+            torch.cuda.synchronize()
+            return t, out_fn().clone()
+        finally:
+            kc.VARIANT.clear()
+
+    # append, prefill 32k
+    N, nb, bs = 32768, 2048, 64
+    cache = torch.zeros(nb, bs * 584, dtype=torch.uint8, device=dev)
+    xs = [kv_rows(N, i, dev) for i in range(8)]
+    sl = [torch.randperm(nb * bs, device=dev)[:N] for _ in range(8)]
+    sl[0][::50] = -1
+    base = None
+    for tpw in (1, 2, 4):
+        cache.zero_()
+        with registry.use(kv_cache_append="cuda"):
+            t, o = run_variant({"KVC_APPEND_TPW": tpw},
+                               lambda: [lambda i=i: kv_cache_append(cache, xs[i], sl[i]) for i in range(8)][::-1],
+                               lambda: cache)
+        base = o if base is None else base
+        nbytes = N * (1024 + 584 + 8)
+        rows.append(dict(op="append", case=f"prefill 32k TPW={tpw}", us=t, roof_us=nbytes / bw * 1e6,
+                         same=bool(torch.equal(o, base))))
+    # gather, decode B=128 and prefill 8 x 8320
+    for label, R, T, K, ne in (("decode", 128, 128, 512, 2048), ("prefill", 8, 8, 8192, 8192)):
+        pages = ne // bs
+        cache = torch.empty(R * pages, bs * 584, dtype=torch.uint8, device=dev)
+        swa = torch.empty(R * 2, 64 * 584, dtype=torch.uint8, device=dev)
+        kv_cache_append(cache, kv_rows(R * pages * bs, 1, dev), torch.arange(R * pages * bs, device=dev))
+        kv_cache_append(swa, kv_rows(R * 128, 2, dev), torch.arange(R * 128, device=dev))
+        bt = torch.randperm(R * pages, device=dev).view(R, pages).to(torch.int32)
+        swa_bt = torch.arange(R * 2, dtype=torch.int32, device=dev).view(R, 2)
+        k = n_sets(T * (128 + K) * 1024)
+        idx = [torch.randint(-1, ne, (T, K), device=dev, dtype=torch.int32) for _ in range(k)]
+        swa_idx = torch.arange(128, dtype=torch.int32, device=dev).repeat(T, 1)
+        nbytes = T * (128 + K) * (584 + 1024 + 4)
+        base = None
+        for rpw in (1, 2, 4):
+            outs = {}
+
+            def mk():
+                return [lambda i=i: outs.__setitem__(i, kv_gather(cache, bt, idx[i], swa_cache=swa, swa_block_table=swa_bt,
+                                                                  swa_indices=swa_idx)) for i in range(k)]
+            with registry.use(kv_gather="cuda"):
+                t, o = run_variant({"KVC_GATHER_RPW": rpw}, mk, lambda: outs[0])
+            base = o if base is None else base
+            rows.append(dict(op="gather", case=f"{label} RPW={rpw}", us=t, roof_us=nbytes / bw * 1e6,
+                             same=bool(torch.equal(o.view(torch.int16), base.view(torch.int16)))))
+        del cache, swa, idx
+        torch.cuda.empty_cache()
+    # compressors, prefill 32k + decode B=128 emit
+    for d, ratio in ((512, 4), (512, 128), (128, 4), (128, 128)):
+        coff = 2 if ratio == 4 else 1
+        ch, per = coff * d, (584 if d == 512 else 68)
+        ape = torch.randn(ratio, ch, device=dev)
+        w = torch.rand(d, device=dev) + 0.5
+        table = rope_cos_sin_table(65536, device=dev)
+        T = 32768
+        E = T // ratio
+        ins = [_compress_inputs(T, d, ratio, dev, i) for i in range(n_sets(T * ch * 8))]
+        cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+        bt = torch.arange(E // 64 + 1, dtype=torch.int32, device=dev).view(1, -1)
+        cache = torch.zeros(E // 64 + 1, 64 * per, dtype=torch.uint8, device=dev)
+        ks, ss = new_compress_state(1, ratio, d, dev)
+        nbytes = T * ch * 8 + E * per + ks.numel() * 8
+        base = None
+        for mode in (0, 1, 2):
+            with registry.use(kv_compress_prefill="cuda"):
+                t, o = run_variant({"KVC_ONLINE": mode}, lambda: [
+                    lambda i=i: kv_compress_prefill(ins[i][0], ins[i][1], ape, w, table, cu, bt, cache, kv_state=ks,
+                                                    score_state=ss) for i in range(len(ins))], lambda: cache)
+            base = o if base is None else base
+            rows.append(dict(op=f"compress d={d} r={ratio}", case=f"prefill 32k ONLINE={mode}", us=t,
+                             roof_us=nbytes / bw * 1e6, same=bool(torch.equal(o, base)),
+                             eq_frac=float((o == base).float().mean())))
+        del ins
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-variants", action="store_true", help="skip the tuning-variant section")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth() * 1e9                          # bytes / s (read + write)
+    rows: list[dict] = []
+    bench_append(dev, bw, rows)
+    bench_gather(dev, bw, rows)
+    bench_compress(dev, bw, rows)
+    vrows: list[dict] = []
+    if not args.no_variants:
+        bench_variants(dev, bw, vrows)
+        for r in vrows:
+            r["pct_copy_bw"] = 100.0 * r["roof_us"] / r["us"]
+    for r in rows:
+        r["pct_copy_bw"] = 100.0 * r["roof_us"] / r["us"]
+        r["GB/s"] = r["MB"] * 1e6 / (r["us"] * 1e-6) / 1e9
+        r["speedup_vs_torch"] = r["ref_us"] / r["us"]
+    print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
+    print_table(rows, ["op", "case", "us", "roof_us", "pct_copy_bw", "GB/s", "ref_us", "speedup_vs_torch", "MB"],
+                title="kv_cache ops (cuda) vs roofline and torch reference")
+    if vrows:
+        print_table(vrows, ["op", "case", "us", "roof_us", "pct_copy_bw", "same", "eq_frac"],
+                    title="tuning variants (same = output bit-identical to the first variant)")
+    save_json(args.json, {"copy_bw_GBps": bw / 1e9, "rows": rows, "variants": vrows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,564 @@
+"""DSV4 paged KV caches: SWA ring / compressed-cache append, CSA/HCA compressors, KV gather.
+
+Ops (one module, four registered ops, providers in ``kernels_cuda/kv_cache.py`` and
+``dsv4/reference/kv_cache.py``):
+
+* :func:`kv_cache_append` -- quantize ``kv [N, 512]`` into a paged cache at ``slot_mapping``
+  (SWA ring: ``slot = ring_block * bs + pos % 128``; any paged cache).
+* :func:`kv_compress_prefill` / :func:`kv_compress_decode` -- the DSV4 compressor
+  (softmax-gated pooling, RMSNorm, RoPE, quantization) writing compressed entries into a paged
+  cache, prefill (every complete block, sequences from position 0) and decode (incremental
+  FP32 state, bit-identical entries).
+* :func:`kv_gather` -- dequantize SWA + top-k compressed rows to dense BF16 ``[T, W + K, 512]``.
+
+Cache formats (byte offsets exact; ``bs`` = tokens per paged block, inferred from the shape):
+
+``fp8_ds_mla`` (FlashMLA "MODEL1" / vLLM DSV4, 584 B per token), uint8 ``[num_blocks, bs * 584]``
+(or the same bytes viewed as ``[num_blocks, bs, 584]``)::
+
+    block base  = page * bs * 584
+    data(off)   = base + off * 576        bytes [0, 448)   E4M3 nope dims 0..447
+                                          bytes [448, 576) 64 x BF16 rope dims 448..511 (little endian)
+    scales(off) = base + bs * 576 + off * 8
+                                          bytes [0, 7)     UE8M0 scale of nope dims [64g, 64g + 64), g = 0..6
+                                          byte 7           pad, written as 0
+
+``mxfp4`` (indexer key, 68 B per token), uint8 ``[num_blocks, bs * 68]`` or ``[num_blocks, bs, 68]``
+(the ``indexer_cache_write`` cache, byte-compatible)::
+
+    values(off) = page * bs * 68 + off * 64            128 x E2M1, element 2i in the low nibble
+    scales(off) = page * bs * 68 + bs * 64 + off * 4   4 x UE8M0 (one per 32 dims)
+
+``bf16``: ``[num_blocks, bs, d]`` bfloat16 holding the fake-quantized values (what the
+reference model's BF16 cache holds), so gathers from ``bf16`` and quantized caches agree.
+
+Quantization (DSV4 ``act_quant(x, 64, "ue8m0")``): per 64 nope dims ``amax = max(max|x|, 1e-4)``
+(finite elements), ``s = 2^ceil(log2(amax * fp32(1/448)))``, ``q = e4m3_rn(clamp(x / s, +-448))``.
+Indexer: Hadamard then MXFP4 (``dsv4.formats.quantize_mxfp4``, DSV4 rule).
+
+Device-side value checks (no host sync): out-of-range slots / pages / indices are skipped
+(append, compress) or produce zero rows (gather); ``debug_check=True`` validates the values on
+the host first (syncs) and raises ``ValueError``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layout import LayoutError, OpSpec, Param, TensorSpec
+from ..registry import Op, register
+from ..target import Target
+from ._common import dtype_name
+
+KV_DIM, IDX_DIM, ROPE_DIM = 512, 128, 64
+TOKEN_BYTES, IDX_TOKEN_BYTES = 584, 68
+_IDX = (torch.int32, torch.int64)
+_SOURCE = ("DSV4 FLASH-REF model.py Compressor / Attention / act_quant / fp4_act_quant (dsv4_spec.md 2.2, 2.3, "
+           "2.7, 4.2, 4.4); vLLM DSV4 fp8_ds_mla block layout [bs x 576 B data][bs x 8 B scales]; FlashMLA MODEL1 "
+           "584 B/token")
+_CACHE_PACKING = ("fp8_ds_mla: uint8 [num_blocks, bs*584]; block base page*bs*584; token data at base+off*576 "
+                  "= 448 E4M3 nope, then 64 BF16 rope (bytes 448..575); scales at base+bs*576+off*8 = 7 UE8M0 (per 64 "
+                  "nope dims), then pad 0. bf16: [num_blocks, bs, 512] fake-quantized values")
+
+
+def _cache_info(cache: torch.Tensor, d: int, arg: str = "cache") -> tuple[str, int]:
+    """(fmt, block_size) of a cache tensor, with shape checks (LayoutError naming ``arg``)."""
+    if cache.dtype == torch.uint8:
+        per = TOKEN_BYTES if d == KV_DIM else IDX_TOKEN_BYTES
+        fmt = "fp8_ds_mla" if d == KV_DIM else "mxfp4"
+        ok2 = cache.dim() == 2 and cache.shape[1] % per == 0 and cache.shape[1] > 0
+        ok3 = cache.dim() == 3 and cache.shape[2] == per and cache.shape[1] > 0
+        if not (ok2 or ok3):
+            raise LayoutError(f"{arg}: uint8 {fmt} cache must be [num_blocks, block_size * {per}] (or the same bytes "
+                              f"viewed as [num_blocks, block_size, {per}]), got {list(cache.shape)}")
+        bs = cache.shape[1] // per if ok2 else cache.shape[1]
+        if fmt == "fp8_ds_mla" and bs % 2:
+            raise LayoutError(f"{arg}: fp8_ds_mla block_size must be even (16-byte aligned token rows in a "
+                              f"{per}-byte-per-token block), got block_size={bs}")
+    elif cache.dtype == torch.bfloat16:
+        if cache.dim() != 3 or cache.shape[2] != d:
+            raise LayoutError(f"{arg}: bf16 cache must be [num_blocks, block_size, {d}], got {list(cache.shape)}")
+        fmt, bs = "bf16", cache.shape[1]
+    else:
+        raise LayoutError(f"{arg}: cache dtype must be uint8 (quantized) or bfloat16, got {dtype_name(cache.dtype)}")
+    if not cache.is_contiguous():
+        raise LayoutError(f"{arg}: must be contiguous, got strides {list(cache.stride())}")
+    if cache.device.type == "cuda" and cache.numel() and cache.data_ptr() % 16:
+        raise LayoutError(f"{arg}: data pointer must be 16-byte aligned")
+    return fmt, bs
+
+
+def _check_table(name: str, bt: torch.Tensor, rows_min: int | None = None) -> None:
+    if bt.dtype != torch.int32 or bt.dim() != 2 or not bt.is_contiguous():
+        raise LayoutError(f"{name}: expected contiguous int32 [rows, max_blocks], got {dtype_name(bt.dtype)} "
+                          f"{list(bt.shape)} strides {list(bt.stride())}")
+    if rows_min is not None and bt.shape[0] < rows_min:
+        raise LayoutError(f"{name}: has {bt.shape[0]} rows, needs at least {rows_min} (one per sequence)")
+
+
+def _debug_table(name: str, bt: torch.Tensor, nb: int) -> None:
+    bad = (bt < -1) | (bt >= nb)
+    if bool(bad.any()):
+        i = bad.nonzero()[0].tolist()
+        raise ValueError(f"{name}: entry {i} = {int(bt[tuple(i)])} is outside [-1, num_blocks={nb})")
+
+
+# =============================================================================== append
+APPEND_SPEC = OpSpec(
+    name="kv_cache_append",
+    summary="Quantize BF16 KV rows [N, 512] into a paged DSV4 cache (fp8_ds_mla 584 B/token or bf16) at slot_mapping; in place.",
+    inputs=(
+        TensorSpec("cache", (torch.uint8, torch.bfloat16), ("num_blocks", "W"), packing=_CACHE_PACKING,
+                   scale="UE8M0 byte b = 2^(b-127), one per 64 nope dims, in the block's scale region",
+                   doc="paged cache, modified in place (bf16 form is rank 3 [num_blocks, bs, 512])"),
+        TensorSpec("kv", torch.bfloat16, ("N", 512), doc="rows after kv_norm + RoPE (front-end output)"),
+        TensorSpec("slot_mapping", _IDX, ("N",), align=4,
+                   doc="physical slot page*bs+off per row; -1 = skip; SWA ring: ring_page*bs + pos % 128"),
+    ),
+    params=(Param("debug_check", "bool", "{False, True}", "validate slot values on the host (syncs)"),),
+    formula="nope: s_g = 2^ceil(log2(max(amax_g, 1e-4) * fp32(1/448))), q = e4m3_rn(clamp(x / s_g, +-448)); "
+            "rope: bf16 copy; bf16 format stores q * s_g (exact)",
+    source=_SOURCE,
+    notes="Slots < 0 or >= num_blocks*bs are skipped on the device (never written out of bounds). One warp "
+          "per token, one launch, no host sync, CUDA-graph capturable.",
+)
+
+
+def _append_example(target: Target) -> dict:
+    return {"fmt": "fp8_ds_mla", "slot": "int64", "device": target.device_type}
+
+
+APPEND_OP = register(Op("kv_cache_append", APPEND_SPEC, module="kv_cache", example_problem=_append_example))
+
+
+@torch.library.custom_op("dsv4::kv_cache_append", mutates_args=("cache",))
+def _kv_cache_append_op(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    fmt, bs = _cache_info(cache, KV_DIM)
+    problem = {"fmt": fmt, "slot": dtype_name(slot_mapping.dtype), "device": kv.device.type}
+    APPEND_OP.dispatch(problem, Target.of(kv.device), cache=cache, kv=kv, slot_mapping=slot_mapping)
+
+
+@_kv_cache_append_op.register_fake
+def _(cache, kv, slot_mapping):
+    return None
+
+
+def kv_cache_append(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, *,
+                    debug_check: bool = False) -> None:
+    """Write ``kv`` rows into a paged KV cache (in place), quantizing to the cache's format.
+
+    Args:
+        cache: uint8 ``[num_blocks, block_size * 584]`` (``fp8_ds_mla``; block_size even) or
+            bfloat16 ``[num_blocks, block_size, 512]``. Byte layout in the module docstring.
+        kv: bfloat16 ``[N, 512]`` (kv_norm'ed, RoPE'd rows; dims 448..511 are the rope dims).
+        slot_mapping: int32/int64 ``[N]`` physical slots ``page * block_size + offset``; ``-1``
+            skips the row. For the SWA ring (window 128) use ``ring_slot(pos) = pos % 128``
+            mapped through the request's ring pages.
+        debug_check: validate ``-1 <= slot < num_blocks * block_size`` on the host (syncs).
+
+    Returns:
+        None (``cache`` is modified).
+
+    Raises:
+        LayoutError: dtype / shape / contiguity / alignment mismatch (names the argument).
+        ValueError: ``debug_check`` and an out-of-range slot. Without ``debug_check``, slots
+            outside ``[0, num_blocks * block_size)`` are skipped on the device.
+
+    Source: DSV4 model.py Attention L502-506 (act_quant block 64, ue8m0), vLLM DSV4 fp8_ds_mla.
+    """
+    syms = APPEND_SPEC.validate({"kv": kv, "slot_mapping": slot_mapping},
+                                specs=APPEND_SPEC.inputs[1:])
+    fmt, bs = _cache_info(cache, KV_DIM)
+    if cache.device != kv.device:
+        raise LayoutError(f"kv_cache_append: 'cache' is on {cache.device}, 'kv' on {kv.device}")
+    if debug_check and syms["N"]:
+        n_slots = cache.shape[0] * bs
+        bad = (slot_mapping < -1) | (slot_mapping >= n_slots)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"kv_cache_append: slot_mapping[{i}] = {int(slot_mapping[i])} is outside "
+                             f"[-1, num_blocks * block_size = {n_slots})")
+    if syms["N"] == 0:
+        return
+    torch.ops.dsv4.kv_cache_append(cache, kv, slot_mapping)
+
+
+# =============================================================================== gather
+GATHER_SPEC = OpSpec(
+    name="kv_gather",
+    summary="Dequantize SWA-window rows and top-k compressed rows of paged DSV4 caches into dense BF16 [T, W + K, 512]; -1 -> zero row.",
+    inputs=(
+        TensorSpec("cache", (torch.uint8, torch.bfloat16), ("num_blocks", "Wc"), packing=_CACHE_PACKING,
+                   doc="compressed cache (fp8_ds_mla or bf16 [num_blocks, bs, 512])"),
+        TensorSpec("block_table", torch.int32, ("R", "max_blocks"), align=4,
+                   doc="compressed cache pages of each request"),
+        TensorSpec("indices", torch.int32, ("T", "K"), align=4,
+                   doc="top-k logical compressed entry ids per query (-1 = none)"),
+        TensorSpec("req_idx", torch.int32, ("T",), align=4, optional=True,
+                   doc="request (block_table row) of each query; default t"),
+        TensorSpec("swa_cache", (torch.uint8, torch.bfloat16), ("swa_blocks", "Ws"), optional=True,
+                   packing="same format as cache", doc="SWA ring cache"),
+        TensorSpec("swa_block_table", torch.int32, ("Rs", "swa_max_blocks"), align=4, optional=True,
+                   doc="SWA ring pages of each request"),
+        TensorSpec("swa_indices", torch.int32, ("T", "W"), align=4, optional=True,
+                   doc="logical SWA slots (ring slot = pos % 128) per query; -1 = none"),
+    ),
+    outputs=(TensorSpec("out", torch.bfloat16, ("T", "W + K", 512),
+                        doc="rows [0, W) from the SWA cache, rows [W, W+K) from the compressed cache"),),
+    params=(Param("debug_check", "bool", "{False, True}", "validate block tables and indices on the host (syncs)"),),
+    formula="l -> page = block_table[req, l // bs], off = l % bs; row = e4m3 * 2^(sf - 127) (exact in bf16), bf16 rope; "
+            "l < 0, l // bs >= max_blocks, page outside [0, num_blocks) -> zeros",
+    source=_SOURCE + "; FlashMLA dequantize_and_gather_k_cache",
+    notes="One warp per output row, one launch; never reads out of bounds.",
+)
+
+
+def _gather_example(target: Target) -> dict:
+    return {"fmt": "fp8_ds_mla", "swa": True, "device": target.device_type}
+
+
+GATHER_OP = register(Op("kv_gather", GATHER_SPEC, module="kv_cache", example_problem=_gather_example))
+
+
+@torch.library.custom_op("dsv4::kv_gather", mutates_args=())
+def _kv_gather_op(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
+                  req_idx: Optional[torch.Tensor], swa_cache: Optional[torch.Tensor],
+                  swa_block_table: Optional[torch.Tensor], swa_indices: Optional[torch.Tensor]) -> torch.Tensor:
+    fmt, _ = _cache_info(cache, KV_DIM)
+    problem = {"fmt": fmt, "swa": swa_indices is not None, "device": cache.device.type}
+    return GATHER_OP.dispatch(problem, Target.of(cache.device), cache=cache, block_table=block_table,
+                              indices=indices, req_idx=req_idx, swa_cache=swa_cache,
+                              swa_block_table=swa_block_table, swa_indices=swa_indices)
+
+
+@_kv_gather_op.register_fake
+def _(cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices):
+    W = swa_indices.shape[1] if swa_indices is not None else 0
+    return indices.new_empty((indices.shape[0], W + indices.shape[1], KV_DIM), dtype=torch.bfloat16)
+
+
+def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, *,
+              req_idx: Optional[torch.Tensor] = None, swa_cache: Optional[torch.Tensor] = None,
+              swa_block_table: Optional[torch.Tensor] = None, swa_indices: Optional[torch.Tensor] = None,
+              debug_check: bool = False) -> torch.Tensor:
+    """Gather and dequantize KV rows for sparse attention (SWA window + top-k compressed).
+
+    Args:
+        cache: compressed cache, uint8 ``[num_blocks, bs * 584]`` (fp8_ds_mla) or bf16
+            ``[num_blocks, bs, 512]``.
+        block_table: int32 ``[R, max_blocks]`` pages of each request's compressed cache.
+        indices: int32 ``[T, K]`` logical compressed entry ids (the indexer's top-k, or all
+            entries ``b < (t+1) // ratio`` for HCA); ``-1`` = no entry (zero row).
+        req_idx: int32 ``[T]`` request of each query row (default ``t``; then ``R >= T``).
+        swa_cache, swa_block_table, swa_indices: the SWA ring cache (same format as ``cache``),
+            its pages, and int32 ``[T, W]`` logical ring slots (``pos % 128``; -1 = none). All
+            three or none.
+        debug_check: validate block tables (entries in ``[-1, num_blocks)``) and indices
+            (``-1 <= l < max_blocks * bs``) on the host (syncs).
+
+    Returns:
+        bfloat16 ``[T, W + K, 512]``: rows ``[0, W)`` from the SWA cache, then the compressed
+        rows, in index order (the reference's ``cat([window_idx, compress_idx])`` order).
+        Dequantization is exact (E4M3 x 2^k is representable in BF16).
+
+    Raises:
+        LayoutError: dtype / shape / format mismatch (names the argument), e.g. a bf16 SWA
+            cache with an fp8 compressed cache.
+        ValueError: partial SWA arguments, or ``debug_check`` finds a bad value. Without it,
+            invalid indices / pages give zero rows on the device (never out of bounds).
+
+    Source: dsv4_spec.md 2.2 (window + compressed key set, -1 invalid), 4.4 (item 12).
+    """
+    swa = (swa_cache, swa_block_table, swa_indices)
+    if any(x is not None for x in swa) and not all(x is not None for x in swa):
+        raise ValueError("kv_gather: pass all of swa_cache, swa_block_table, swa_indices or none of them")
+    tensors = {"block_table": block_table, "indices": indices, "req_idx": req_idx,
+               "swa_block_table": swa_block_table, "swa_indices": swa_indices}
+    GATHER_SPEC.validate(tensors, specs=[s for s in GATHER_SPEC.inputs if s.name in tensors])
+    fmt, bs = _cache_info(cache, KV_DIM)
+    if swa_cache is not None:
+        sfmt, sbs = _cache_info(swa_cache, KV_DIM, "swa_cache")
+        if sfmt != fmt:
+            raise LayoutError(f"kv_gather: swa_cache format {sfmt} differs from cache format {fmt}")
+    for name, t in (("cache", cache), ("swa_cache", swa_cache)):
+        if t is not None and t.device != indices.device:
+            raise LayoutError(f"kv_gather: '{name}' is on {t.device}, 'indices' on {indices.device}")
+    if req_idx is None and block_table.shape[0] < indices.shape[0]:
+        raise LayoutError(f"kv_gather: block_table has {block_table.shape[0]} rows but req_idx is None and T = "
+                          f"{indices.shape[0]} (row t uses request t)")
+    if debug_check:
+        _debug_table("block_table", block_table, cache.shape[0])
+        lim = block_table.shape[1] * bs
+        if bool(((indices < -1) | (indices >= lim)).any()):
+            raise ValueError(f"kv_gather: indices outside [-1, max_blocks * block_size = {lim})")
+        if swa_cache is not None:
+            _debug_table("swa_block_table", swa_block_table, swa_cache.shape[0])
+            lim = swa_block_table.shape[1] * sbs
+            if bool(((swa_indices < -1) | (swa_indices >= lim)).any()):
+                raise ValueError(f"kv_gather: swa_indices outside [-1, swa_max_blocks * block_size = {lim})")
+        if req_idx is not None and bool(((req_idx < 0) | (req_idx >= block_table.shape[0])).any()):
+            raise ValueError(f"kv_gather: req_idx outside [0, {block_table.shape[0]})")
+    return torch.ops.dsv4.kv_gather(cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices)
+
+
+# =============================================================================== compressor
+_COMPRESS_INPUTS = (
+    TensorSpec("kv", torch.float32, ("T", "CH"), doc="wkv(x) per token, fp32, CH = coff * d (coff = 2 for ratio 4)"),
+    TensorSpec("score", torch.float32, ("T", "CH"), doc="wgate(x) per token, fp32"),
+    TensorSpec("ape", torch.float32, ("ratio", "CH"), doc="positional bias added to score by position in the block"),
+    TensorSpec("norm_weight", torch.float32, ("d",), doc="RMSNorm weight (d = 512 attention, 128 indexer)"),
+    TensorSpec("rope_cos_sin", torch.float32, ("P", 64),
+               doc="row p = (cos_0, sin_0, ..., cos_31, sin_31) at position p (dsv4.reference.rope.rope_cos_sin_table: "
+                   "compress_rope_theta 160000, YaRN); must cover every b * ratio"),
+)
+_COMPRESS_CACHE = TensorSpec(
+    "cache", (torch.uint8, torch.bfloat16), ("num_blocks", "Wc"),
+    packing="d=512: " + _CACHE_PACKING + ". d=128 (indexer): mxfp4 uint8 [num_blocks, bs*68]: values at "
+            "page*bs*68 + off*64 (E2M1, low nibble first), scales at page*bs*68 + bs*64 + off*4 (4 UE8M0); "
+            "or bf16 [num_blocks, bs, 128]",
+    doc="compressed cache; entry b of sequence i -> page block_table[i, b // bs], offset b % bs")
+_STATE = ("kv_state / score_state: float32 [>= B, coff*ratio, coff*d] (model.py kv_state / score_state); "
+          "score_state rows hold score + ape; fresh state = (0, -inf), see new_compress_state")
+_COMPRESS_FORMULA = ("rows (ratio 4: prev block ch [0:d] + current ch [d:2d]; ratio 128: block) ; c = sum_rows "
+                     "softmax_rows(score + ape) * kv (per channel, fp32); c = bf16(c); y = bf16(w * (c / sqrt(mean(c^2) "
+                     "+ eps))); RoPE(y[-64:], pos = b*ratio) -> bf16; d=512: fp8_ds_mla quant of y; d=128: "
+                     "bf16(Hadamard(y) * 128^-0.5) -> MXFP4")
+
+
+def _compress_check(kv, score, ape, norm_weight, rope_cos_sin, cache, spec, extra):
+    tensors = {"kv": kv, "score": score, "ape": ape, "norm_weight": norm_weight, "rope_cos_sin": rope_cos_sin,
+               **extra}
+    syms = spec.validate(tensors, specs=[s for s in spec.inputs if s.name in tensors])
+    ratio, d, ch = syms["ratio"], syms["d"], syms["CH"]
+    if ratio not in (4, 128):
+        raise LayoutError(f"{spec.name}: ape must be [ratio, CH] with ratio 4 (CSA) or 128 (HCA), got {list(ape.shape)}")
+    if d not in (KV_DIM, IDX_DIM):
+        raise LayoutError(f"{spec.name}: norm_weight must be [512] (attention) or [128] (indexer), got {list(norm_weight.shape)}")
+    coff = 2 if ratio == 4 else 1
+    if ch != coff * d:
+        raise LayoutError(f"{spec.name}: kv/score/ape last dim must be coff*d = {coff}*{d} = {coff * d} for ratio "
+                          f"{ratio}, got {ch}")
+    fmt, bs = _cache_info(cache, d)
+    if cache.device != kv.device:
+        raise LayoutError(f"{spec.name}: 'cache' is on {cache.device}, 'kv' on {kv.device}")
+    return syms, fmt, bs, ratio, d, coff
+
+
+def _check_state(name, kv_state, score_state, B, ratio, d, coff, device):
+    want = (coff * ratio, coff * d)
+    for nm, st in (("kv_state", kv_state), ("score_state", score_state)):
+        if st is None or st.dtype != torch.float32 or st.dim() != 3 or tuple(st.shape[1:]) != want \
+                or st.shape[0] < B or not st.is_contiguous():
+            got = "None" if st is None else f"{dtype_name(st.dtype)} {list(st.shape)}"
+            raise LayoutError(f"{name}: '{nm}' must be contiguous float32 [>= {B}, {want[0]}, {want[1]}], got {got}")
+        if st.device != device:
+            raise LayoutError(f"{name}: '{nm}' is on {st.device}, 'kv' on {device}")
+
+
+PREFILL_SPEC = OpSpec(
+    name="kv_compress_prefill",
+    summary="DSV4 compressor, prefill: every complete block of every (ragged) sequence -> one compressed entry "
+            "in a paged cache; the tail -> FP32 decode state.",
+    inputs=_COMPRESS_INPUTS + (
+        TensorSpec("cu_seqlens", torch.int32, ("B1",), align=4,
+                   doc="token offsets of the sequences in kv/score; each sequence starts at position 0"),
+        TensorSpec("block_table", torch.int32, ("Bt", "max_blocks"), align=4, doc="compressed cache pages per sequence"),
+        _COMPRESS_CACHE,
+        TensorSpec("kv_state", torch.float32, ("Bs", "NR", "CH"), optional=True, doc=_STATE),
+        TensorSpec("score_state", torch.float32, ("Bs", "NR", "CH"), optional=True, doc=_STATE),
+    ),
+    params=(Param("eps", "float", "> 0", "RMSNorm eps (1e-6)"),
+            Param("debug_check", "bool", "{False, True}", "validate cu_seqlens / block_table / rope table on the host")),
+    formula=_COMPRESS_FORMULA,
+    source=_SOURCE,
+    notes="One launch: one thread group per entry (entry -> sequence by a warp prefix scan over cu_seqlens on "
+          "the device) plus one CTA per (sequence, state row). Entries whose page is out of range are skipped; "
+          "sequences whose cu_seqlens range is not inside [0, T] count as empty.",
+)
+DECODE_SPEC = OpSpec(
+    name="kv_compress_decode",
+    summary="DSV4 compressor, decode: append one token per sequence to the FP32 state; at a block boundary "
+            "emit the compressed entry (bit-identical to prefill).",
+    inputs=_COMPRESS_INPUTS + (
+        TensorSpec("positions", _IDX, ("B",), align=4, doc="position of this step's token per sequence; -1 = skip"),
+        TensorSpec("block_table", torch.int32, ("Bt", "max_blocks"), align=4, doc="compressed cache pages per sequence"),
+        _COMPRESS_CACHE,
+        TensorSpec("kv_state", torch.float32, ("Bs", "NR", "CH"), doc=_STATE),
+        TensorSpec("score_state", torch.float32, ("Bs", "NR", "CH"), doc=_STATE),
+    ),
+    params=PREFILL_SPEC.params,
+    formula=_COMPRESS_FORMULA + "; state row (coff-1)*ratio + pos % ratio <- (kv, score + ape[pos % ratio]); "
+                                "ratio 4: after emitting, rows [0:4] <- rows [4:8]",
+    source=_SOURCE,
+    notes="One CTA per sequence; the pooling code and order are those of kv_compress_prefill.",
+)
+
+
+def _compress_example(target: Target) -> dict:
+    return {"fmt": "fp8_ds_mla", "d": 512, "ratio": 4, "pos": "int64", "eps": 1e-6, "device": target.device_type}
+
+
+PREFILL_OP = register(Op("kv_compress_prefill", PREFILL_SPEC, module="kv_cache", example_problem=_compress_example))
+DECODE_OP = register(Op("kv_compress_decode", DECODE_SPEC, module="kv_cache", example_problem=_compress_example))
+
+
+@torch.library.custom_op("dsv4::kv_compress_prefill", mutates_args=("cache", "kv_state", "score_state"))
+def _kv_compress_prefill_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
+                            rope_cos_sin: torch.Tensor, cu_seqlens: torch.Tensor, block_table: torch.Tensor,
+                            cache: torch.Tensor, kv_state: Optional[torch.Tensor],
+                            score_state: Optional[torch.Tensor], eps: float) -> None:
+    d = norm_weight.shape[0]
+    fmt, _ = _cache_info(cache, d)
+    problem = {"fmt": fmt, "d": d, "ratio": ape.shape[0], "pos": "int32", "eps": float(eps), "device": kv.device.type}
+    PREFILL_OP.dispatch(problem, Target.of(kv.device), kv=kv, score=score, ape=ape, norm_weight=norm_weight,
+                        rope_cos_sin=rope_cos_sin, cu_seqlens=cu_seqlens, block_table=block_table, cache=cache,
+                        kv_state=kv_state, score_state=score_state)
+
+
+@_kv_compress_prefill_op.register_fake
+def _(kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache, kv_state, score_state, eps):
+    return None
+
+
+@torch.library.custom_op("dsv4::kv_compress_decode", mutates_args=("cache", "kv_state", "score_state"))
+def _kv_compress_decode_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
+                           rope_cos_sin: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                           cache: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor, eps: float) -> None:
+    d = norm_weight.shape[0]
+    fmt, _ = _cache_info(cache, d)
+    problem = {"fmt": fmt, "d": d, "ratio": ape.shape[0], "pos": dtype_name(positions.dtype), "eps": float(eps),
+               "device": kv.device.type}
+    DECODE_OP.dispatch(problem, Target.of(kv.device), kv=kv, score=score, ape=ape, norm_weight=norm_weight,
+                       rope_cos_sin=rope_cos_sin, positions=positions, block_table=block_table, cache=cache,
+                       kv_state=kv_state, score_state=score_state)
+
+
+@_kv_compress_decode_op.register_fake
+def _(kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache, kv_state, score_state, eps):
+    return None
+
+
+def kv_compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
+                        rope_cos_sin: torch.Tensor, cu_seqlens: torch.Tensor, block_table: torch.Tensor,
+                        cache: torch.Tensor, *, kv_state: Optional[torch.Tensor] = None,
+                        score_state: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                        debug_check: bool = False) -> None:
+    """DSV4 compressor (CSA ratio 4 with overlap / HCA ratio 128), prefill mode, in place.
+
+    Every sequence ``i`` (tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` of ``kv``/``score``, positions
+    from 0) emits entries ``b = 0 .. L_i // ratio - 1`` into ``cache`` (page
+    ``block_table[i, b // bs]``, offset ``b % bs``). With ``kv_state``/``score_state`` the
+    incomplete tail (and, for ratio 4, the last complete block's rows) are stored so that
+    :func:`kv_compress_decode` continues bit-identically.
+
+    Args:
+        kv, score: float32 ``[T, coff*d]`` = ``wkv(x)``, ``wgate(x)`` (coff = 2 for ratio 4, else 1).
+        ape: float32 ``[ratio, coff*d]`` (ratio 4 or 128).
+        norm_weight: float32 ``[d]``; d = 512 (attention) or 128 (indexer: Hadamard + MXFP4).
+        rope_cos_sin: float32 ``[P, 64]`` interleaved cos/sin (``dsv4.reference.rope.rope_cos_sin_table``);
+            ``P`` must exceed every ``b * ratio`` (clamped on the device; checked by ``debug_check``).
+        cu_seqlens: int32 ``[B + 1]``.
+        block_table: int32 ``[>= B, max_blocks]``.
+        cache: d=512: uint8 ``[nb, bs*584]`` or bf16 ``[nb, bs, 512]``; d=128: uint8
+            ``[nb, bs*68]`` (MXFP4) or bf16 ``[nb, bs, 128]``.
+        kv_state, score_state: optional float32 ``[>= B, coff*ratio, coff*d]`` (both or neither).
+        eps: RMSNorm epsilon.
+        debug_check: host-side value checks (syncs): cu_seqlens monotone within [0, T], pages in
+            range, rope table long enough.
+
+    Returns:
+        None.
+
+    Raises:
+        LayoutError: shapes / dtypes / formats (names the argument).
+        ValueError: ``debug_check`` failures.
+
+    Source: FLASH-REF model.py Compressor.forward (start_pos == 0 branch), dsv4_spec.md 2.3, 4.2.
+    """
+    if (kv_state is None) != (score_state is None):
+        raise ValueError("kv_compress_prefill: pass both kv_state and score_state or neither")
+    extra = {"cu_seqlens": cu_seqlens, "block_table": block_table}
+    syms, fmt, bs, ratio, d, coff = _compress_check(kv, score, ape, norm_weight, rope_cos_sin, cache,
+                                                    PREFILL_SPEC, extra)
+    B = cu_seqlens.shape[0] - 1
+    _check_table("block_table", block_table, B)
+    if kv_state is not None:
+        _check_state("kv_compress_prefill", kv_state, score_state, B, ratio, d, coff, kv.device)
+    if debug_check:
+        cu = cu_seqlens.long()
+        if B and (bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) < 0 or int(cu[-1]) > kv.shape[0]):
+            raise ValueError(f"kv_compress_prefill: cu_seqlens must be non-decreasing within [0, T={kv.shape[0]}]")
+        _debug_table("block_table", block_table, cache.shape[0])
+        if B:
+            n_max = int((cu[1:] - cu[:-1]).max()) // ratio
+            if n_max and (n_max - 1) * ratio >= rope_cos_sin.shape[0]:
+                raise ValueError(f"kv_compress_prefill: rope_cos_sin has {rope_cos_sin.shape[0]} rows, position "
+                                 f"{(n_max - 1) * ratio} needed")
+            if n_max > block_table.shape[1] * bs:
+                raise ValueError(f"kv_compress_prefill: a sequence has {n_max} entries but block_table holds "
+                                 f"{block_table.shape[1]} x {bs}")
+    if B == 0:
+        return
+    torch.ops.dsv4.kv_compress_prefill(kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
+                                       kv_state, score_state, float(eps))
+
+
+def kv_compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
+                       rope_cos_sin: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                       cache: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor, *,
+                       eps: float = 1e-6, debug_check: bool = False) -> None:
+    """DSV4 compressor, one decode step per sequence, in place (cache and state).
+
+    Sequence ``i``'s token at ``positions[i]`` (-1 = skip) is stored in state row
+    ``(coff-1)*ratio + pos % ratio`` (score + ape); when ``(pos + 1) % ratio == 0`` the state is
+    pooled (same device code and order as :func:`kv_compress_prefill`, so entries are
+    bit-identical), ratio 4 shifts rows [4:8] -> [0:4], and entry ``pos // ratio`` is written.
+
+    Args:
+        kv, score: float32 ``[B, coff*d]`` (this step's ``wkv(x)``, ``wgate(x)``).
+        ape, norm_weight, rope_cos_sin, block_table, cache, eps: as :func:`kv_compress_prefill`.
+        positions: int32/int64 ``[B]``.
+        kv_state, score_state: float32 ``[>= B, coff*ratio, coff*d]`` (from prefill or
+            :func:`new_compress_state`).
+        debug_check: host-side checks of pages / rope table (syncs).
+
+    Returns:
+        None.
+
+    Raises:
+        LayoutError: shapes / dtypes / formats. ValueError: ``debug_check`` failures.
+
+    Source: FLASH-REF model.py Compressor.forward (start_pos > 0 branch), dsv4_spec.md 2.3.
+    """
+    extra = {"positions": positions, "block_table": block_table}
+    syms, fmt, bs, ratio, d, coff = _compress_check(kv, score, ape, norm_weight, rope_cos_sin, cache,
+                                                    DECODE_SPEC, extra)
+    B = syms["B"]
+    if kv.shape[0] != B:
+        raise LayoutError(f"kv_compress_decode: kv has {kv.shape[0]} rows, positions has {B}")
+    _check_table("block_table", block_table, B)
+    _check_state("kv_compress_decode", kv_state, score_state, B, ratio, d, coff, kv.device)
+    if debug_check:
+        _debug_table("block_table", block_table, cache.shape[0])
+        if B and int(positions.max()) // ratio * ratio >= rope_cos_sin.shape[0]:
+            raise ValueError(f"kv_compress_decode: rope_cos_sin has {rope_cos_sin.shape[0]} rows, too short for "
+                             f"position {int(positions.max())}")
+    if B == 0:
+        return
+    torch.ops.dsv4.kv_compress_decode(kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,
+                                      kv_state, score_state, float(eps))
+
+
+def new_compress_state(batch: int, ratio: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh decode state ``(kv_state zeros, score_state -inf)``, float32 ``[batch, coff*ratio, coff*head_dim]``.
+
+    Source: model.py Compressor.__init__ (kv_state zeros, score_state -inf).
+    """
+    coff = 2 if ratio == 4 else 1
+    shape = (batch, coff * ratio, coff * head_dim)
+    return (torch.zeros(shape, dtype=torch.float32, device=device),
+            torch.full(shape, float("-inf"), dtype=torch.float32, device=device))
+
+
+__all__ = ["kv_cache_append", "kv_gather", "kv_compress_prefill", "kv_compress_decode", "new_compress_state"]

@@ -1,0 +1,151 @@
+"""CUDA (NVRTC) providers for the DSV4 KV cache ops: ``kv_cache.cu`` (+ ``kv_cache.cuh``).
+
+Why raw CUDA and not the CuTe DSL: these kernels are gather/scatter through block tables with
+per-row data-dependent addresses, sub-16-byte fields at odd strides (576 B data + 8 B scale
+words, 68 B MXFP4 rows), warp-level prefix scans (entry -> ragged sequence), shuffle
+reductions over 4/8/16-lane groups and PTX conversions (cvt.rn.satfinite.e4m3x2.f32); none
+needs tensor cores or TMA, and every piece is a few lines of CUDA C++ where the DSL would
+need custom layouts for each byte region. No host sync, one launch per op.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dsv4.registry import Provider, Support
+
+from ._provider import cuda_available
+from .nvrtc import launch, load
+
+_NULL = np.uint64(0)
+_FMT = {"fp8_ds_mla": 0, "mxfp4": 0, "bf16": 1}
+
+
+def _ptr(t):
+    return t if t is not None else _NULL
+
+
+#: Tuning macros of kv_cache.cu (KVC_ONLINE, KVC_GATHER_RPW, KVC_APPEND_TPW); empty = the .cu
+#: defaults. Benchmarks set entries to time variants; launch grids follow RPW / TPW.
+DEFAULTS: dict[str, int] = {"KVC_ONLINE": 2, "KVC_GATHER_RPW": 1, "KVC_APPEND_TPW": 1}
+VARIANT: dict[str, int] = {}
+
+
+def _tune(name: str) -> int:
+    return VARIANT.get(name, DEFAULTS[name])
+
+
+def _module(fmt: str, d: int = 512, ratio: int = 4, idx64: bool = False):
+    return load("kv_cache.cu", KVC_FMT=_FMT[fmt], KVC_D=d, KVC_RATIO=ratio, KVC_IDX64=int(idx64),
+                **{k: _tune(k) for k in DEFAULTS})
+
+
+def _bs(cache: torch.Tensor, d: int) -> int:
+    if cache.dtype == torch.uint8 and cache.dim() == 2:
+        return cache.shape[1] // (584 if d == 512 else 68)
+    return cache.shape[1]
+
+
+class _Cuda(Provider):
+    kind = "cuda"
+
+    def available(self):
+        return cuda_available()
+
+    def supports(self, problem, target):
+        if not target.is_cuda:
+            return Support.no("cuda: tensors are not on a CUDA device")
+        if target.arch != "sm_90a":
+            return Support.no(f"cuda: built for sm_90a only, device is {target.arch}")
+        return Support.yes("sm_90a")
+
+
+class CudaKvCacheAppend(_Cuda):
+    describe = "kv_cache.cu kv_append_kernel: warp per token, shfl amax, cvt e4m3x2, 16 B stores"
+
+    def run(self, problem, *, cache, kv, slot_mapping):
+        n = kv.shape[0]
+        if n == 0:
+            return
+        bs = _bs(cache, 512)
+        mod = _module(problem["fmt"], idx64=slot_mapping.dtype == torch.int64)
+        per_cta = 8 * _tune("KVC_APPEND_TPW")
+        launch(mod.kernel("kv_append_kernel"), (n + per_cta - 1) // per_cta, 256, kv, slot_mapping, cache, np.int64(n),
+               np.int32(bs), np.int64(cache.shape[0] * bs))
+
+
+class CudaKvGather(_Cuda):
+    describe = "kv_cache.cu kv_gather_kernel: warp per row, block_table lookup, exact E4M3 -> BF16"
+
+    def run(self, problem, *, cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices):
+        T, K = indices.shape
+        W = swa_indices.shape[1] if swa_indices is not None else 0
+        out = torch.empty((T, W + K, 512), dtype=torch.bfloat16, device=indices.device)
+        rows = T * (W + K)
+        if rows == 0:
+            return out
+        mod = _module(problem["fmt"])
+        bs = _bs(cache, 512)
+        if swa_indices is not None:
+            sargs = (swa_cache, np.int32(_bs(swa_cache, 512)), np.int64(swa_cache.shape[0]), swa_block_table,
+                     np.int32(swa_block_table.shape[1]), np.int32(swa_block_table.shape[0]), swa_indices, np.int32(W))
+        else:
+            sargs = (_NULL, np.int32(1), np.int64(0), _NULL, np.int32(0), np.int32(0), _NULL, np.int32(0))
+        per_cta = 8 * _tune("KVC_GATHER_RPW")
+        launch(mod.kernel("kv_gather_kernel"), (rows + per_cta - 1) // per_cta, 256, cache, np.int32(bs), np.int64(cache.shape[0]),
+               block_table, np.int32(block_table.shape[1]), np.int32(block_table.shape[0]), indices, np.int32(K),
+               *sargs, _ptr(req_idx), out, np.int64(T))
+        return out
+
+
+def _threads(d: int, ratio: int, prefill: bool) -> tuple[int, int]:
+    """(threads per CTA, entries per CTA) -- mirrors the TPE/RS/EPC macros of kv_cache.cu."""
+    tpe, rs = d // 4, (4 if ratio == 128 else 1)
+    epc = 1 if (tpe * rs >= 128 or not prefill) else 128 // (tpe * rs)
+    return tpe * rs * epc, epc
+
+
+class CudaKvCompressPrefill(_Cuda):
+    describe = ("kv_cache.cu kv_compress_prefill_kernel: thread group per entry, online per-channel softmax, "
+                "RMSNorm/RoPE/(Hadamard) + FP8 or MXFP4 quant, state tail CTAs")
+
+    def run(self, problem, *, kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
+            kv_state, score_state):
+        d, ratio = problem["d"], problem["ratio"]
+        T = kv.shape[0]
+        B = cu_seqlens.shape[0] - 1
+        threads, epc = _threads(d, ratio, True)
+        n_entries = T // ratio
+        n_entry_ctas = (n_entries + epc - 1) // epc
+        nr = (2 if ratio == 4 else 1) * ratio
+        n_state = B * nr if kv_state is not None else 0
+        if n_entry_ctas + n_state == 0:
+            return
+        mod = _module(problem["fmt"], d, ratio)
+        launch(mod.kernel("kv_compress_prefill_kernel"), n_entry_ctas + n_state, threads, kv, score, ape,
+               norm_weight, rope_cos_sin, np.int64(rope_cos_sin.shape[0]), cu_seqlens, np.int32(B), np.int64(T),
+               block_table, np.int32(block_table.shape[1]), cache, np.int32(_bs(cache, d)), np.int64(cache.shape[0]),
+               _ptr(kv_state), _ptr(score_state), np.int32(n_entry_ctas), np.float32(problem["eps"]))
+
+
+class CudaKvCompressDecode(_Cuda):
+    describe = "kv_cache.cu kv_compress_decode_kernel: CTA per sequence, state append + prefill's pooling code"
+
+    def run(self, problem, *, kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,
+            kv_state, score_state):
+        d, ratio = problem["d"], problem["ratio"]
+        B = positions.shape[0]
+        threads, _ = _threads(d, ratio, False)
+        mod = _module(problem["fmt"], d, ratio, positions.dtype == torch.int64)
+        launch(mod.kernel("kv_compress_decode_kernel"), B, threads, kv, score, ape, norm_weight, rope_cos_sin,
+               np.int64(rope_cos_sin.shape[0]), positions, np.int32(B), block_table, np.int32(block_table.shape[1]),
+               cache, np.int32(_bs(cache, d)), np.int64(cache.shape[0]), kv_state, score_state,
+               np.float32(problem["eps"]))
+
+
+PROVIDERS = {
+    "kv_cache_append": CudaKvCacheAppend,
+    "kv_gather": CudaKvGather,
+    "kv_compress_prefill": CudaKvCompressPrefill,
+    "kv_compress_decode": CudaKvCompressDecode,
+}

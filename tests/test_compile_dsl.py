@@ -1,0 +1,84 @@
+"""CPU compile checks: every CuTe DSL kernel compiles for sm_90a without a GPU; assert on its PTX.
+
+Protocol (how a DSL kernel module adds itself): ``kernels_dsl/<module>.py`` defines
+
+* ``compile_check(dump_dir) -> {variant: ptx_text}``: compiles each specialization with fake
+  tensors for sm_90a (``compile_options("sm_90a", f"--keep-ptx --dump-dir {dump_dir}")``)
+  and returns the PTX text;
+* ``PTX_PATTERNS``: regexes that every variant's PTX must contain (e.g. ``prmt\\.b32``,
+  ``wgmma\\.mma_async``, a 128-bit vector load);
+* optionally ``PTX_FORBIDDEN``: regexes that must not occur (e.g. ``\\.ftz``).
+
+Modules without ``compile_check`` are listed by ``test_every_dsl_module_has_a_compile_check``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import re
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")   # never the silent sm_100a default
+
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
+
+import kernels_dsl  # noqa: E402
+
+#: a 128-bit global load, plain or through the read-only path
+VECTOR_LOAD_128 = r"ld\.global(\.nc)?(\.L[12]::\S+)*\.v4\.(b|u|s|f)32|ld\.global(\.nc)?\.v2\.(b|u|s|f)64"
+
+
+def _dsl_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(kernels_dsl.__path__) if not m.name.startswith("_"))
+
+
+def _has_compile_check(name: str) -> bool:
+    return hasattr(importlib.import_module(f"kernels_dsl.{name}"), "compile_check")
+
+
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory):
+    # passed as --dump-dir with --keep-ptx; it must exist, else __ptx__ is a path string
+    return str(tmp_path_factory.mktemp("cute_dsl_dump"))
+
+
+@pytest.mark.parametrize("name", _dsl_modules())
+def test_dsl_kernel_compiles_for_sm90a(name, dump_dir):
+    mod = importlib.import_module(f"kernels_dsl.{name}")   # an import error fails here, named
+    if not hasattr(mod, "compile_check"):
+        pytest.skip(f"kernels_dsl.{name} has no compile_check() (see test_every_dsl_module_has_a_compile_check)")
+    variants = mod.compile_check(dump_dir)
+    if isinstance(variants, str):
+        variants = {name: variants}
+    assert variants, f"kernels_dsl.{name}.compile_check() returned no PTX"
+    patterns = tuple(getattr(mod, "PTX_PATTERNS", ()))
+    forbidden = tuple(getattr(mod, "PTX_FORBIDDEN", ()))
+    for variant, ptx in variants.items():
+        assert isinstance(ptx, str) and ".entry" in ptx, f"{name}/{variant}: not PTX text: {str(ptx)[:200]!r}"
+        assert re.search(r"^\.target\s+sm_90a\b", ptx, re.M), f"{name}/{variant}: PTX is not for sm_90a"
+        for pat in patterns:
+            assert re.search(pat, ptx), f"{name}/{variant}: PTX lacks /{pat}/"
+        for pat in forbidden:
+            m = re.search(pat, ptx)
+            assert m is None, f"{name}/{variant}: PTX contains forbidden /{pat}/: {ptx[max(0, m.start() - 80):m.end() + 40]!r}"
+
+
+def test_dequant_fp4_ptx_has_lut_decode_and_128bit_memory(dump_dir):
+    """The first op's contract, spelled out: prmt LUT, 16-byte loads and stores, sm_90a."""
+    from kernels_dsl import dequant_fp4
+    variants = dequant_fp4.compile_check(dump_dir)
+    assert set(variants) == {"mxfp4-bfloat16", "mxfp4-float32", "nvfp4-bfloat16", "nvfp4-float32"}
+    for v, ptx in variants.items():
+        assert ".target sm_90a" in ptx
+        assert len(re.findall(r"prmt\.b32", ptx)) >= 32, v       # 8 prmt per 32-bit word, 4 words
+        assert re.search(VECTOR_LOAD_128, ptx), v
+        n_st = len(re.findall(r"st\.global\.v4\.b32", ptx))
+        assert n_st == (4 if "bfloat16" in v else 8), (v, n_st)  # 64 B / 128 B per thread
+        assert not re.search(r"\.ftz\b", ptx), v                  # subnormal scales must survive
+
+
+def test_every_dsl_module_has_a_compile_check():
+    missing = [n for n in _dsl_modules() if not _has_compile_check(n)]
+    assert not missing, f"kernels_dsl modules without compile_check(): {missing}"
