@@ -15,7 +15,7 @@ _OUT = {"bfloat16": 0, "float32": 1}
 
 class CudaDequantFp4(Provider):
     kind = "cuda"
-    describe = "dequant_fp4.cu: prmt byte-LUT E2M1 decode, 16 B loads/stores"
+    describe = "dequant_fp4.cu: prmt byte-LUT E2M1 decode, warp-tiled coalesced 16 B stores"
 
     def available(self):
         return cuda_available()
@@ -33,12 +33,14 @@ class CudaDequantFp4(Provider):
         from dsv4.ops._common import str_dtype
         M, K = data.shape[0], 2 * data.shape[1]
         out = torch.empty((M, K), dtype=str_dtype(problem["out_dtype"]), device=data.device)
-        n = M * K // 32
-        if n == 0:
+        n_words = M * K // 8                      # 32-bit words of packed data
+        if n_words == 0:
             return out
         mod = load("dequant_fp4.cu", DSV4_FMT=_FMT[problem["fmt"]], DSV4_OUT=_OUT[problem["out_dtype"]])
         g = global_scale if global_scale is not None else data  # unused pointer for mxfp4
-        launch(mod.kernel("dequant_fp4_kernel"), (n + 255) // 256, 256, data, scale, g, out, np.int64(n))
+        words_per_block = 8 * 32 * 4              # 8 warps x 32 lanes x 4 words
+        launch(mod.kernel("dequant_fp4_kernel"), -(-n_words // words_per_block), 256, data, scale, g, out,
+               np.int64(n_words))
         return out
 
 

@@ -1,0 +1,63 @@
+"""Benchmark dequant_fp4 (dsl / cuda / torch providers) against the copy-bandwidth roofline.
+
+Bytes = packed input + scales + output (read + written). Roofline = bytes / measured
+device-to-device copy bandwidth (read + write) in the same run. Inputs rotate past L2.
+
+    PYTHONPATH=. python3 bench/bench_dequant_fp4.py [--json out.json] [--providers dsl,cuda,torch]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench._util import copy_bandwidth, print_table, rotating, save_json, time_cuda
+from dsv4 import registry
+from dsv4.formats import quantize_mxfp4, quantize_nvfp4
+from dsv4.ops import dequant_fp4
+
+SHAPES = [(8192, 8192), (8192, 7168), (128, 7168), (16, 7168), (1, 7168)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--providers", default="dsl,cuda,torch")
+    a = ap.parse_args()
+    bw = copy_bandwidth()
+    rows = []
+    for M, K in SHAPES:
+        for fmt in ("mxfp4", "nvfp4"):
+            for out_dtype in (torch.bfloat16, torch.float32):
+                def make(i, M=M, K=K, fmt=fmt):
+                    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * (1 + i)
+                    if fmt == "mxfp4":
+                        d, s = quantize_mxfp4(x)
+                        return d, s, None
+                    t = quantize_nvfp4(x)
+                    return t.data, t.scale, t.global_scale.reshape(1).float()
+                nbytes = M * K // 2 + M * K // (32 if fmt == "mxfp4" else 16) + M * K * out_dtype.itemsize
+                sets = rotating(make, nbytes)
+                for prov in a.providers.split(","):
+                    try:
+                        with registry.use(dequant_fp4=prov):
+                            calls = [lambda d=d, s=s, g=g: dequant_fp4(d, s, fmt=fmt, global_scale=g,
+                                                                       out_dtype=out_dtype) for d, s, g in sets]
+                            it = iter(range(1 << 30))
+                            us = time_cuda(lambda: calls[next(it) % len(calls)](), iters=30)
+                            usg = time_cuda(lambda: calls[0](), iters=30, graph=True)
+                    except Exception as e:  # noqa: BLE001
+                        rows.append(dict(shape=f"{M}x{K}", fmt=fmt, out=str(out_dtype)[6:], provider=prov,
+                                         note=f"skipped: {type(e).__name__}: {str(e)[:60]}"))
+                        continue
+                    rows.append(dict(shape=f"{M}x{K}", fmt=fmt, out=str(out_dtype)[6:], provider=prov,
+                                     us=us, us_graph=usg, GBps=nbytes / (usg * 1e-6) / 1e9,
+                                     pct_bw=100 * nbytes / (usg * 1e-6) / 1e9 / bw, floor_us=nbytes / bw / 1e3))
+    print_table(rows, ["shape", "fmt", "out", "provider", "us", "us_graph", "GBps", "pct_bw", "floor_us", "note"],
+                title=f"dequant_fp4 (copy bandwidth {bw:.0f} GB/s; us = eager incl. host overhead, "
+                      f"us_graph = CUDA-graph replay)")
+    save_json(a.json, {"copy_bw_gbps": bw, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

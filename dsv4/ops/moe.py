@@ -1,0 +1,551 @@
+"""DSV4 routed-expert MoE with FP4 (E2M1) expert weights on Hopper.
+
+Ops (all registered; providers: ``kernels_cuda/moe.py`` (cuda) and ``dsv4/reference/moe.py`` (torch)):
+
+* :func:`moe_prepare_weights` (``moe_prepare_weights``): checkpoint tensors -> kernel layout
+  (:class:`MoEWeights`); the layout is printed by ``MoEWeights.describe()`` /
+  ``docs/layouts/moe_prepare_weights.md``.
+* :func:`moe_route` (``dsv4::moe_route``): DSV4 gate (sqrt(softplus) scores, bias only for
+  selection, top-k, normalized weights * route_scale; hash layers: ``tid2eid[input_ids]``).
+* :func:`moe_permute` / :func:`moe_combine`: token permutation to the grouped layout
+  (``"contiguous"``: rows sorted by expert, per-expert offsets; ``"masked"``: ``[E, max_m]`` slots
+  with per-expert counts) and the un-permute + sum over the top-k rows of each token. Pure torch,
+  device-side, no host sync, no loop over experts (CUDA-graph capturable).
+* :func:`moe_gemm1_swiglu` (``dsv4::moe_gemm1_swiglu``): grouped GEMM1 (W13) + DSV4 clamped
+  SwiGLU + routing weight (+ FP8 1x128 UE8M0 requant for W4A8).
+* :func:`moe_gemm2` (``dsv4::moe_gemm2``): grouped GEMM2 (W2), fp32 rows.
+* :func:`moe_forward`: the routed-expert layer (route -> permute -> GEMM1 -> GEMM2 -> combine).
+
+Formulas: dsv4_spec.md 2.5 (FLASH-REF model.py L546-645) and 2.1 (act_quant, fp4_gemm).
+
+Seed 003 bugs made impossible here:
+(1) scale-factor remap: the kernel reads linear ``[N, K/SF]`` scales; swizzled 128x4 inputs
+    are un-swizzled by :func:`dsv4.formats.unswizzle_sf_128x4` in prepare (round trip tested);
+(2) one expert's global scale for all: global scales must be ``[E, 2]`` (W13: gate, up) and
+    ``[E]`` (W2), validated; the kernel indexes them by the tile's expert;
+(3) gate/up interleaving: W13 input rows are the plain concat ``[gate (I rows); up (I rows)]``;
+    prepare does the (documented) tile reordering itself from that convention;
+(4) float8 byte views: scales are reinterpreted with ``.view(torch.uint8)`` only; raw ``uint8``
+    scale inputs are rejected (pass ``.view(torch.float8_e8m0fnu)`` / ``.view(torch.float8_e4m3fn)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..layout import LayoutError, OpSpec, Param, TensorSpec
+from ..registry import Op, register
+from ..target import Target
+
+FORMATS = {"mxfp4": 32, "nvfp4": 16}
+_SCALE_DTYPE = {"mxfp4": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}
+ACTS = ("fp8", "bf16")
+LAYOUTS = ("contiguous", "masked")
+#: GEMM tile sizes of the CUDA kernel (also the prepare reordering granule)
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 128
+
+# ------------------------------------------------------------------------------------------
+# prepare
+PREPARE_SPEC = OpSpec(
+    name="moe_prepare_weights",
+    summary="Checkpoint FP4 expert weights -> kernel layout (W13 rows reordered per 256-row tile, "
+            "scale bytes linear, per-expert global scales).",
+    inputs=(
+        TensorSpec("w13", torch.uint8, ("E", "2 * I", "D // 2"),
+                   packing="2 x E2M1 per byte, element 2i in the low nibble",
+                   doc="rows = plain concat [gate_proj (w1) rows 0..I-1; up_proj (w3) rows I..2I-1] (never interleaved)"),
+        TensorSpec("w13_scale", (torch.float8_e8m0fnu, torch.float8_e4m3fn), ("E", "2 * I", "D // SF"), align=1,
+                   scale="linear [E, 2I, D/SF] (or swizzled 128x4 with sf_layout='swizzled'); mxfp4: UE8M0 / 32, nvfp4: E4M3 / 16"),
+        TensorSpec("w2", torch.uint8, ("E", "D", "I // 2"), packing="2 x E2M1 per byte, low nibble first",
+                   doc="down_proj (w2)"),
+        TensorSpec("w2_scale", (torch.float8_e8m0fnu, torch.float8_e4m3fn), ("E", "D", "I // SF"), align=1,
+                   scale="linear [E, D, I/SF]"),
+        TensorSpec("w13_global", torch.float32, ("E", 2), align=4, optional=True,
+                   doc="per-expert FP32 decode multipliers (gate, up); required for nvfp4, default 1 for mxfp4"),
+        TensorSpec("w2_global", torch.float32, ("E",), align=4, optional=True,
+                   doc="per-expert FP32 decode multiplier of W2; required for nvfp4, default 1 for mxfp4"),
+    ),
+    outputs=(
+        TensorSpec("w13p", torch.uint8, ("E", "2 * I", "D // 2"), output=True,
+                   doc="row r of 256-row tile t = W13 row: tile t covers I columns [128t, 128t+128): "
+                       "[gate 128t..+63 | up 128t..+63 | gate 128t+64..+127 | up 128t+64..+127]"),
+        TensorSpec("w13p_scale", torch.uint8, ("E", "2 * I", "D // SF"), align=4, output=True,
+                   doc="scale bytes (raw E8M0 / E4M3 bits via .view(uint8)), same row order as w13p"),
+        TensorSpec("w2p", torch.uint8, ("E", "D", "I // 2"), output=True, doc="unchanged W2 data"),
+        TensorSpec("w2p_scale", torch.uint8, ("E", "D", "I // SF"), align=4, output=True, doc="W2 scale bytes"),
+        TensorSpec("g13", torch.float32, ("E", 2), align=4, output=True, doc="(gate, up) global scales"),
+        TensorSpec("g2", torch.float32, ("E",), align=4, output=True, doc="W2 global scales"),
+    ),
+    params=(Param("fmt", "str", "{'mxfp4', 'nvfp4'}", "scale format; SF = 32 or 16"),
+            Param("sf_layout", "str", "{'linear', 'swizzled'}", "layout of the input scale tensors")),
+    constraints=(("I % 128 == 0", "intermediate size I must be a multiple of 128 (GEMM1 tile = 128 I columns)"),
+                 ("D % 256 == 0", "hidden size D must be a multiple of 256 (GEMM2 N tile)"),
+                 ("D % 128 == 0", "hidden size D must be a multiple of 128 (K block)")),
+    formula="w13p[e, 256t + 128h + 64u + j] = w13[e, u*I + 128t + 64h + j] (u = 0 gate, 1 up); scales likewise",
+    source="dsv4_spec.md 2.5 / 2.7 (w1 = gate_proj, w3 = up_proj, w2 = down_proj; MXFP4 or NVIDIA NVFP4)",
+    notes="W4A8 exactness: the kernel folds the UE8M0 scales of a row's 128-K block into E4M3 values "
+          "relative to the block's largest exponent; exact when those 4 exponents span <= 14 binades "
+          "(E2M1 level * 2^d is exact in E4M3 for d in [-8, 6]); NVFP4 under W4A8 is exact when the E4M3 "
+          "block scales are powers of two (lossless MXFP4 re-encoding), else one E4M3 rounding per weight; "
+          "use act='bf16' (W4A16, always exact) for general NVFP4.",
+)
+
+
+@dataclass
+class MoEWeights:
+    """Prepared expert weights (kernel layout, see ``PREPARE_SPEC`` / ``describe()``).
+
+    Attributes: ``w13`` uint8 [E, 2I, D/2] (tile-reordered), ``w13_scale`` uint8 [E, 2I, D/SF],
+    ``w2`` uint8 [E, D, I/2], ``w2_scale`` uint8 [E, D, I/SF], ``g13`` fp32 [E, 2], ``g2`` fp32 [E],
+    ``fmt`` ('mxfp4' | 'nvfp4'), sizes ``E``, ``I``, ``D``.
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    g13: torch.Tensor
+    g2: torch.Tensor
+    fmt: str
+    E: int
+    I: int
+    D: int
+
+    def describe(self) -> str:
+        """The prepared layout spec next to the actual tensors."""
+        lines = [PREPARE_SPEC.text(), "  actual:"]
+        for k in ("w13", "w13_scale", "w2", "w2_scale", "g13", "g2"):
+            t = getattr(self, k)
+            lines.append(f"    {k}: {str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}")
+        lines.append(f"    fmt={self.fmt} E={self.E} I={self.I} D={self.D}")
+        return "\n".join(lines)
+
+
+def _ex_prepare(target):
+    return {"fmt": "mxfp4", "device": target.device_type}
+
+
+PREPARE_OP = register(Op("moe_prepare_weights", PREPARE_SPEC, module="moe", kinds=("torch",),
+                         example_problem=_ex_prepare))
+
+
+def w13_tile_permutation(I: int, device=None) -> torch.Tensor:
+    """Row permutation ``p`` (int64 [2I]) with ``w13p = w13[p]``: per 128 I-columns tile t,
+    ``[gate 128t..+63, up 128t..+63, gate 128t+64..+127, up 128t+64..+127]``.
+    Built from the plain-concat convention ``w13 = [gate; up]``; never assumes interleaving."""
+    if I % 128:
+        raise LayoutError(f"moe_prepare_weights: I={I} must be a multiple of 128")
+    t = torch.arange(I // 128, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(2, device=device).view(1, -1, 1, 1)
+    u = torch.arange(2, device=device).view(1, 1, -1, 1)
+    j = torch.arange(64, device=device).view(1, 1, 1, -1)
+    return (u * I + 128 * t + 64 * h + j).reshape(-1)
+
+
+def _check_scale_dtype(name: str, t: torch.Tensor, fmt: str) -> None:
+    want = _SCALE_DTYPE[fmt]
+    if t.dtype == torch.uint8:
+        raise LayoutError(f"moe_prepare_weights: argument '{name}' is raw uint8; reinterpret the bytes with "
+                          f".view({want}) (never .to(): seed 003, 0x3F would become 63.0)")
+    if t.dtype != want:
+        raise LayoutError(f"moe_prepare_weights: argument '{name}' has dtype {t.dtype}, expected {want} for fmt={fmt!r}")
+
+
+def moe_prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                        *, fmt: str = "mxfp4", w13_global: Optional[torch.Tensor] = None,
+                        w2_global: Optional[torch.Tensor] = None, sf_layout: str = "linear") -> MoEWeights:
+    """Convert checkpoint expert tensors into the kernel layout.
+
+    Args:
+        w13: uint8 ``[E, 2I, D/2]`` packed E2M1, rows = ``concat[gate_proj; up_proj]`` (w1; w3).
+        w13_scale: ``fmt='mxfp4'``: float8_e8m0fnu ``[E, 2I, D/32]``; ``'nvfp4'``: float8_e4m3fn
+            ``[E, 2I, D/16]``. With ``sf_layout='swizzled'``: the 128x4 swizzled form
+            ``[E, cdiv(2I,128), cdiv(D/SF,4), 32, 4, 4]`` (un-swizzled here).
+        w2: uint8 ``[E, D, I/2]``; w2_scale: ``[E, D, I/SF]`` (or swizzled).
+        fmt: ``'mxfp4'`` or ``'nvfp4'``.
+        w13_global: float32 ``[E, 2]`` per-expert (gate, up) decode multipliers (NVFP4
+            ``weight_scale_2`` of w1 and w3); required for nvfp4; ones for mxfp4 when None.
+        w2_global: float32 ``[E]``; required for nvfp4.
+        sf_layout: ``'linear'`` or ``'swizzled'``.
+
+    Returns:
+        :class:`MoEWeights` (layout: ``PREPARE_SPEC``, ``docs/layouts/moe_prepare_weights.md``).
+
+    Raises:
+        LayoutError: wrong dtype (including raw uint8 scales), shape, missing/ill-shaped global
+            scales (e.g. a single scale for all experts), I % 128 or D % 256 != 0.
+        ValueError: unknown ``fmt`` / ``sf_layout``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"moe_prepare_weights: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    if sf_layout not in ("linear", "swizzled"):
+        raise ValueError(f"moe_prepare_weights: sf_layout must be 'linear' or 'swizzled', got {sf_layout!r}")
+    SF = FORMATS[fmt]
+    _check_scale_dtype("w13_scale", w13_scale, fmt)
+    _check_scale_dtype("w2_scale", w2_scale, fmt)
+    if sf_layout == "swizzled":
+        from ..formats import unswizzle_sf_128x4
+        E, N13, Kp = w13.shape
+        w13_scale = unswizzle_sf_128x4(w13_scale, N13, 2 * Kp // SF)
+        E2, D2, Ip = w2.shape
+        w2_scale = unswizzle_sf_128x4(w2_scale, D2, 2 * Ip // SF)
+    if fmt == "nvfp4" and (w13_global is None or w2_global is None):
+        raise LayoutError("moe_prepare_weights: fmt='nvfp4' needs per-expert global scales w13_global "
+                          "float32 [E, 2] (gate, up) and w2_global float32 [E]")
+    env = PREPARE_SPEC.validate({"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale,
+                                 "w13_global": w13_global, "w2_global": w2_global},
+                                symbols={"SF": SF, "I": w13.shape[1] // 2 if w13.dim() == 3 else -1,
+                                         "D": 2 * w13.shape[2] if w13.dim() == 3 else -1})
+    problem = {"fmt": fmt, "device": w13.device.type}
+    return PREPARE_OP.dispatch(problem, Target.of(w13.device), w13=w13, w13_scale=w13_scale, w2=w2,
+                               w2_scale=w2_scale, w13_global=w13_global, w2_global=w2_global,
+                               E=env["E"], I=env["I"], D=env["D"])
+
+
+def prepare_impl(problem, *, w13, w13_scale, w2, w2_scale, w13_global, w2_global, E, I, D) -> MoEWeights:
+    """Torch body of ``moe_prepare_weights`` (device-side gathers; ``.view(uint8)`` byte views)."""
+    fmt = problem["fmt"]
+    perm = w13_tile_permutation(I, w13.device)
+    dev = w13.device
+    g13 = (w13_global if w13_global is not None else torch.ones(E, 2, device=dev)).float().contiguous()
+    g2 = (w2_global if w2_global is not None else torch.ones(E, device=dev)).float().contiguous()
+    return MoEWeights(
+        w13=w13.index_select(1, perm).contiguous(),
+        w13_scale=w13_scale.view(torch.uint8).index_select(1, perm).contiguous(),
+        w2=w2.contiguous(), w2_scale=w2_scale.view(torch.uint8).contiguous(),
+        g13=g13, g2=g2, fmt=fmt, E=E, I=I, D=D)
+
+
+# ------------------------------------------------------------------------------------------
+# router
+ROUTE_SPEC = OpSpec(
+    name="moe_route",
+    summary="DSV4 MoE gate: sqrt(softplus(x W^T)) scores, bias for selection only, top-k, "
+            "normalized * route_scale; hash layers: tid2eid[input_ids].",
+    inputs=(
+        TensorSpec("x", (torch.bfloat16, torch.float32), ("T", "D"), doc="hidden states"),
+        TensorSpec("gate_weight", (torch.bfloat16, torch.float32), ("E", "D"), doc="router weight Wg"),
+        TensorSpec("bias", torch.float32, ("E",), align=4, optional=True, doc="selection bias (non-hash layers)"),
+        TensorSpec("input_ids", (torch.int32, torch.int64), ("T",), align=4, optional=True, doc="hash layers"),
+        TensorSpec("tid2eid", (torch.int32, torch.int64), ("V", "K_TOP"), align=4, optional=True,
+                   doc="hash layers: token id -> expert ids"),
+    ),
+    outputs=(TensorSpec("topk_idx", torch.int32, ("T", "K_TOP"), output=True),
+             TensorSpec("topk_w", torch.float32, ("T", "K_TOP"), output=True)),
+    params=(Param("topk", "int", ">= 1", "experts per token (6 in DSV4)"),
+            Param("route_scale", "float", "> 0", "routed_scaling_factor (1.5 Flash, 2.5 Pro)")),
+    formula="s = sqrt(softplus(x_fp32 @ Wg_fp32^T)); idx = topk(s + bias, k) (or tid2eid[input_ids]); "
+            "w = s[idx] / sum(s[idx]) * route_scale",
+    source="dsv4_spec.md 2.5 / 4.5 item 14 (FLASH-REF model.py Gate)",
+)
+
+
+def _ex_route(target):
+    return {"topk": 6, "hash": False, "device": target.device_type}
+
+
+ROUTE_OP = register(Op("moe_route", ROUTE_SPEC, module="moe", example_problem=_ex_route))
+
+
+@torch.library.custom_op("dsv4::moe_route", mutates_args=())
+def _moe_route_op(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  input_ids: Optional[torch.Tensor], tid2eid: Optional[torch.Tensor], topk: int,
+                  route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = {"topk": topk, "hash": tid2eid is not None, "device": x.device.type}
+    return ROUTE_OP.dispatch(problem, Target.of(x.device), x=x, gate_weight=gate_weight, bias=bias,
+                             input_ids=input_ids, tid2eid=tid2eid, topk=topk, route_scale=route_scale)
+
+
+@_moe_route_op.register_fake
+def _(x, gate_weight, bias, input_ids, tid2eid, topk, route_scale):
+    T = x.shape[0]
+    return (x.new_empty((T, topk), dtype=torch.int32), x.new_empty((T, topk), dtype=torch.float32))
+
+
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, *, topk: int = 6, route_scale: float = 1.5,
+              bias: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
+              tid2eid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSV4 router.
+
+    Args:
+        x: bf16/fp32 ``[T, D]``; gate_weight: ``[E, D]``; bias: fp32 ``[E]`` (selection only).
+        topk: experts per token; route_scale: multiplier of the normalized weights.
+        input_ids, tid2eid: hash layers: ``idx = tid2eid[input_ids]`` (``[T]``, ``[V, topk]``).
+
+    Returns:
+        ``(topk_idx int32 [T, topk], topk_w float32 [T, topk])``; ``topk_w`` uses the unbiased scores.
+
+    Raises:
+        LayoutError: shapes/dtypes; ``tid2eid`` without ``input_ids`` or a width != topk.
+
+    Source: dsv4_spec.md 2.5 (FLASH-REF model.py Gate).
+    """
+    if (input_ids is None) != (tid2eid is None):
+        raise LayoutError("moe_route: hash layers need both 'input_ids' and 'tid2eid'")
+    ROUTE_SPEC.validate({"x": x, "gate_weight": gate_weight, "bias": bias, "input_ids": input_ids,
+                         "tid2eid": tid2eid}, symbols={"K_TOP": topk})
+    return torch.ops.dsv4.moe_route(x, gate_weight, bias, input_ids, tid2eid, int(topk), float(route_scale))
+
+
+# ------------------------------------------------------------------------------------------
+# permutation / combine (torch, device-side)
+class MoEGrouped(NamedTuple):
+    """Grouped activations: rows of expert e are ``[row_start[e], row_start[e] + row_count[e])``.
+
+    ``a``: fp8 e4m3 ``[R, D]`` or bf16; ``a_s``: fp32 ``[R, D/128]`` (fp8) or None; ``row_start``,
+    ``row_count``: int32 ``[E]``; ``route_w``: fp32 ``[R]`` routing weight of each row; ``pos``:
+    int64 ``[T*topk]`` row of each (token, slot) or -1 (masked layout, dropped: count > max_m).
+    """
+
+    a: torch.Tensor
+    a_s: Optional[torch.Tensor]
+    row_start: torch.Tensor
+    row_count: torch.Tensor
+    route_w: torch.Tensor
+    pos: torch.Tensor
+
+
+def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, *,
+                act: str = "fp8", layout: str = "contiguous", max_m: Optional[int] = None) -> MoEGrouped:
+    """Quantize (act='fp8': E4M3 1x128 UE8M0, DSV4 act_quant) and group tokens by expert.
+
+    Args:
+        x: bf16/fp32 ``[T, D]``; topk_idx: int ``[T, k]`` in ``[0, E)``; topk_w: fp32 ``[T, k]``.
+        num_experts: E. act: ``'fp8'`` or ``'bf16'``.
+        layout: ``'contiguous'`` (R = T*k rows sorted by expert, stable) or ``'masked'``
+            (R = E*max_m, expert e's rows start at e*max_m; assignments past max_m are dropped,
+            ``pos = -1``; choose ``max_m >= max count``, e.g. T for no drops).
+
+    Returns:
+        :class:`MoEGrouped`. No host sync; no loop over experts.
+    """
+    if act not in ACTS or layout not in LAYOUTS:
+        raise ValueError(f"moe_permute: act in {ACTS}, layout in {LAYOUTS}; got {act!r}, {layout!r}")
+    if x.dim() != 2 or topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
+        raise LayoutError(f"moe_permute: expected x [T, D], topk_idx/topk_w [T, k]; got {list(x.shape)}, "
+                          f"{list(topk_idx.shape)}, {list(topk_w.shape)}")
+    T, D = x.shape
+    k = topk_idx.shape[1]
+    E = int(num_experts)
+    dev = x.device
+    flat_e = topk_idx.reshape(-1).long()
+    n = flat_e.numel()
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat_e, torch.ones_like(flat_e))
+    order = torch.sort(flat_e, stable=True).indices
+    sorted_e = flat_e[order]
+    starts = torch.cumsum(counts, 0) - counts
+    if act == "fp8":
+        from ..formats import quantize_fp8_block
+        xq, xs = quantize_fp8_block(x, 128, "ue8m0")
+    else:
+        xq, xs = x.to(torch.bfloat16), None
+    src_tok = order // k
+    if layout == "contiguous":
+        dest = torch.arange(n, device=dev)
+        R = n
+        row_start = starts.to(torch.int32)
+        row_count = counts.to(torch.int32)
+        valid = torch.ones(n, dtype=torch.bool, device=dev)
+    else:
+        if max_m is None or max_m < 1:
+            raise ValueError("moe_permute: layout='masked' needs max_m >= 1")
+        rank = torch.arange(n, device=dev) - starts[sorted_e]
+        valid = rank < max_m
+        R = E * max_m
+        dest = torch.where(valid, sorted_e * max_m + rank, torch.full_like(rank, R))
+        row_start = (torch.arange(E, device=dev) * max_m).to(torch.int32)
+        row_count = counts.clamp(max=max_m).to(torch.int32)
+    xb = xq.view(torch.uint8) if xq.dtype == torch.float8_e4m3fn else xq  # byte view (bit exact)
+    a = torch.zeros((R + 1, D), dtype=xb.dtype, device=dev)
+    a.index_copy_(0, dest, xb.index_select(0, src_tok))
+    a = a[:R].view(xq.dtype)
+    a_s = None
+    if xs is not None:
+        a_s = torch.zeros((R + 1, D // 128), dtype=torch.float32, device=dev)
+        a_s.index_copy_(0, dest, xs.index_select(0, src_tok))
+        a_s = a_s[:R]
+    rw = torch.zeros(R + 1, dtype=torch.float32, device=dev)
+    rw.index_copy_(0, dest, topk_w.reshape(-1).float()[order])
+    pos = torch.empty(n, dtype=torch.int64, device=dev)
+    pos[order] = torch.where(valid, dest, torch.full_like(dest, -1))
+    return MoEGrouped(a, a_s, row_start, row_count, rw[:R], pos)
+
+
+def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
+    """Un-permute and sum: ``out[t] = sum_j y[pos[t*k + j]]`` (rows with ``pos = -1`` add 0).
+
+    The routing weight is already inside ``y`` (applied to h before GEMM2, as DSV4 does).
+    Deterministic gather + sum (no atomics). Returns fp32 ``[T, D]``.
+    """
+    rows = y.index_select(0, pos.clamp(min=0))
+    rows = torch.where((pos >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    return rows.view(num_tokens, topk, y.shape[1]).float().sum(1)
+
+
+# ------------------------------------------------------------------------------------------
+# grouped GEMMs
+_GROUP_INPUTS = (
+    TensorSpec("row_start", torch.int32, ("E",), align=4, doc="first grouped row of each expert"),
+    TensorSpec("row_count", torch.int32, ("E",), align=4, doc="rows of each expert (0 = no work)"),
+)
+
+GEMM1_SPEC = OpSpec(
+    name="moe_gemm1_swiglu",
+    summary="Grouped FP4-weight GEMM1 (W13) + DSV4 clamped SwiGLU * routing weight (+ FP8 1x128 requant).",
+    inputs=(
+        TensorSpec("a", (torch.float8_e4m3fn, torch.bfloat16), ("R", "D"), doc="grouped activations"),
+        TensorSpec("a_s", torch.float32, ("R", "D // 128"), align=4, optional=True,
+                   scale="fp32 per (row, 128 along D), UE8M0 powers of two from act_quant (fp8 only)"),
+        TensorSpec("w13", torch.uint8, ("E", "2 * I", "D // 2"), packing="prepared (moe_prepare_weights)"),
+        TensorSpec("w13_scale", torch.uint8, ("E", "2 * I", "D // SF"), align=4, scale="raw scale bytes, linear"),
+        TensorSpec("g13", torch.float32, ("E", 2), align=4, doc="per-expert (gate, up) global scales"),
+        *_GROUP_INPUTS,
+        TensorSpec("route_w", torch.float32, ("R",), align=4, doc="routing weight of each grouped row"),
+    ),
+    outputs=(TensorSpec("h", (torch.float8_e4m3fn, torch.bfloat16), ("R", "I"), output=True),
+             TensorSpec("h_s", torch.float32, ("R", "I // 128"), align=4, output=True,
+                        doc="fp8: UE8M0 power-of-two scales; bf16: empty [0]")),
+    params=(Param("fmt", "str", "{'mxfp4','nvfp4'}", "weight scale format"),
+            Param("act", "str", "{'fp8','bf16'}", "W4A8 (FP8 WGMMA) or W4A16 (BF16 WGMMA)")),
+    constraints=(("I % 128 == 0", "I must be a multiple of 128"), ("D % 128 == 0", "D must be a multiple of 128")),
+    formula="gate = bf16(A W_gate^T g13[e,0]); up = bf16(A W_up^T g13[e,1]); "
+            "h = bf16(silu(min(gate,10)) * clamp(up,-10,10) * route_w); fp8: act_quant(h, 128, ue8m0)",
+    source="dsv4_spec.md 2.5 Expert (FLASH-REF model.py L596-606), 2.1 act_quant/fp4_gemm",
+)
+
+GEMM2_SPEC = OpSpec(
+    name="moe_gemm2",
+    summary="Grouped FP4-weight GEMM2 (W2 down-proj), fp32 rows.",
+    inputs=(
+        TensorSpec("h", (torch.float8_e4m3fn, torch.bfloat16), ("R", "I")),
+        TensorSpec("h_s", torch.float32, ("R", "I // 128"), align=4, optional=True, scale="fp32 per (row, 128)"),
+        TensorSpec("w2", torch.uint8, ("E", "D", "I // 2"), packing="2 x E2M1 per byte, low nibble first"),
+        TensorSpec("w2_scale", torch.uint8, ("E", "D", "I // SF"), align=4, scale="raw scale bytes, linear"),
+        TensorSpec("g2", torch.float32, ("E",), align=4, doc="per-expert global scale"),
+        *_GROUP_INPUTS,
+    ),
+    outputs=(TensorSpec("y", torch.float32, ("R", "D"), output=True),),
+    params=GEMM1_SPEC.params,
+    constraints=(("I % 128 == 0", "I must be a multiple of 128"), ("D % 256 == 0", "D must be a multiple of 256")),
+    formula="y[r] = g2[e] * (h[r] * h_s) @ W2[e]^T (fp32)",
+    source="dsv4_spec.md 2.5 Expert (y = w2(h))",
+)
+
+
+def _ex_gemm(target):
+    return {"fmt": "mxfp4", "act": "fp8", "E": 256, "N": 4096, "K": 4096, "device": target.device_type}
+
+
+GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", example_problem=_ex_gemm))
+GEMM2_OP = register(Op("moe_gemm2", GEMM2_SPEC, module="moe", example_problem=_ex_gemm))
+
+
+def _act_of(a: torch.Tensor) -> str:
+    return "fp8" if a.dtype == torch.float8_e4m3fn else "bf16"
+
+
+@torch.library.custom_op("dsv4::moe_gemm1_swiglu", mutates_args=())
+def _gemm1_op(a: torch.Tensor, a_s: Optional[torch.Tensor], w13: torch.Tensor, w13_scale: torch.Tensor,
+              g13: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, route_w: torch.Tensor,
+              fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = {"fmt": fmt, "act": _act_of(a), "E": w13.shape[0], "N": w13.shape[1], "K": a.shape[1],
+               "device": a.device.type}
+    return GEMM1_OP.dispatch(problem, Target.of(a.device), a=a, a_s=a_s, w13=w13, w13_scale=w13_scale, g13=g13,
+                             row_start=row_start, row_count=row_count, route_w=route_w)
+
+
+@_gemm1_op.register_fake
+def _(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt):
+    R, I = a.shape[0], w13.shape[1] // 2
+    if a.dtype == torch.float8_e4m3fn:
+        return a.new_empty((R, I)), a.new_empty((R, I // 128), dtype=torch.float32)
+    return a.new_empty((R, I)), a.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::moe_gemm2", mutates_args=())
+def _gemm2_op(h: torch.Tensor, h_s: Optional[torch.Tensor], w2: torch.Tensor, w2_scale: torch.Tensor,
+              g2: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, fmt: str) -> torch.Tensor:
+    problem = {"fmt": fmt, "act": _act_of(h), "E": w2.shape[0], "N": w2.shape[1], "K": h.shape[1],
+               "device": h.device.type}
+    return GEMM2_OP.dispatch(problem, Target.of(h.device), h=h, h_s=h_s, w2=w2, w2_scale=w2_scale, g2=g2,
+                             row_start=row_start, row_count=row_count)
+
+
+@_gemm2_op.register_fake
+def _(h, h_s, w2, w2_scale, g2, row_start, row_count, fmt):
+    return h.new_empty((h.shape[0], w2.shape[1]), dtype=torch.float32)
+
+
+def _check_act_scale(op: str, a, a_s, name: str) -> None:
+    if a.dtype == torch.float8_e4m3fn and a_s is None:
+        raise LayoutError(f"{op}: argument '{name}_s' (fp32 1x128 scales) is required for FP8 '{name}'")
+    if a.dtype == torch.bfloat16 and a_s is not None:
+        raise LayoutError(f"{op}: argument '{name}_s' must be None for bf16 '{name}' (W4A16)")
+
+
+def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped GEMM1 + clamped SwiGLU + routing weight (+ FP8 requant).
+
+    Args:
+        g: :class:`MoEGrouped` from :func:`moe_permute` (fp8 or bf16 activations).
+        w: :class:`MoEWeights` from :func:`moe_prepare_weights`.
+
+    Returns:
+        ``(h, h_s)``: fp8 path: ``h`` float8_e4m3fn ``[R, I]``, ``h_s`` fp32 ``[R, I/128]``
+        (UE8M0 powers of two); bf16 path: ``h`` bf16 ``[R, I]``, ``h_s`` empty. Rows outside every
+        expert's range are unspecified.
+
+    Raises:
+        LayoutError: operands not matching ``docs/layouts/moe_gemm1_swiglu.md``.
+    """
+    _check_act_scale("moe_gemm1_swiglu", g.a, g.a_s, "a")
+    GEMM1_SPEC.validate({"a": g.a, "a_s": g.a_s, "w13": w.w13, "w13_scale": w.w13_scale, "g13": w.g13,
+                         "row_start": g.row_start, "row_count": g.row_count, "route_w": g.route_w},
+                        symbols={"SF": FORMATS[w.fmt], "I": w.I})
+    return torch.ops.dsv4.moe_gemm1_swiglu(g.a, g.a_s, w.w13, w.w13_scale, w.g13, g.row_start, g.row_count,
+                                           g.route_w, w.fmt)
+
+
+def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: MoEWeights) -> torch.Tensor:
+    """Grouped GEMM2 (down-proj): fp32 ``y [R, D]`` (rows outside every expert unspecified).
+
+    Args: ``h``/``h_s`` from :func:`moe_gemm1_swiglu` (``h_s`` None or empty for bf16), ``g``, ``w``.
+    Raises: LayoutError on layout mismatch (``docs/layouts/moe_gemm2.md``).
+    """
+    if h_s is not None and h_s.numel() == 0 and h.dtype == torch.bfloat16:
+        h_s = None
+    _check_act_scale("moe_gemm2", h, h_s, "h")
+    GEMM2_SPEC.validate({"h": h, "h_s": h_s, "w2": w.w2, "w2_scale": w.w2_scale, "g2": w.g2,
+                         "row_start": g.row_start, "row_count": g.row_count}, symbols={"SF": FORMATS[w.fmt]})
+    return torch.ops.dsv4.moe_gemm2(h, h_s, w.w2, w.w2_scale, w.g2, g.row_start, g.row_count, w.fmt)
+
+
+def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w: MoEWeights, *,
+                act: str = "fp8", layout: str = "contiguous", max_m: Optional[int] = None) -> torch.Tensor:
+    """Routed experts given a routing: permute -> GEMM1+SwiGLU -> GEMM2 -> combine. fp32 ``[T, D]``."""
+    g = moe_permute(x, topk_idx, topk_w, w.E, act=act, layout=layout, max_m=max_m)
+    h, h_s = moe_gemm1_swiglu(g, w)
+    y = moe_gemm2(h, h_s, g, w)
+    return moe_combine(y, g.pos, x.shape[0], topk_idx.shape[1])
+
+
+def moe_forward(x: torch.Tensor, w: MoEWeights, gate_weight: torch.Tensor, *, topk: int = 6,
+                route_scale: float = 1.5, bias: Optional[torch.Tensor] = None,
+                input_ids: Optional[torch.Tensor] = None, tid2eid: Optional[torch.Tensor] = None,
+                act: str = "fp8", layout: str = "contiguous", max_m: Optional[int] = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """DSV4 routed-expert layer (no shared expert): route -> experts -> combine.
+
+    Args: ``x`` bf16/fp32 ``[T, D]``; ``w`` prepared weights; router args as :func:`moe_route`;
+    ``act``/``layout``/``max_m`` as :func:`moe_permute`. Returns ``[T, D]`` of ``out_dtype``.
+    Source: dsv4_spec.md 2.5.
+    """
+    idx, wt = moe_route(x, gate_weight, topk=topk, route_scale=route_scale, bias=bias, input_ids=input_ids,
+                        tid2eid=tid2eid)
+    return moe_experts(x, idx, wt, w, act=act, layout=layout, max_m=max_m).to(out_dtype)
+
+
+__all__ = ["moe_prepare_weights", "moe_route", "moe_permute", "moe_combine", "moe_gemm1_swiglu", "moe_gemm2",
+           "moe_experts", "moe_forward", "MoEWeights", "MoEGrouped", "w13_tile_permutation"]

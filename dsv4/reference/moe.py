@@ -1,0 +1,217 @@
+"""Torch references for the DSV4 MoE ops (also the ``torch`` providers).
+
+* :func:`moe_layer_ref`: the full routed-expert layer from the spec formulas (dsv4_spec.md 2.5),
+  on **checkpoint-layout** weights (plain concat W13 = [gate; up], linear scales): FP32 dequant
+  + FP32 matmul, the same quantization points as DSV4 (act_quant(x, 128, ue8m0) for W4A8,
+  bf16 rounding of the w1/w3 outputs and of h, act_quant(h, 128, ue8m0) before w2). It is
+  independent of ``moe_prepare_weights`` and of the grouped layouts, so it checks both.
+* :func:`gemm1_swiglu_ref` / :func:`gemm2_ref`: the grouped ops on the prepared layout
+  (oracle providers: they loop over experts on the host and synchronize; never for production).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import dequantize_fp8_block, e2m1_decode, quantize_fp8_block, ue8m0_decode, unpack_e2m1
+from ..registry import Provider, Support
+
+
+def dequant_fp4_weight(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``[..., N, K/2]`` packed E2M1 + scales (float8 dtypes or raw uint8 bytes) -> fp32 ``[..., N, K]``."""
+    vals = e2m1_decode(unpack_e2m1(data))
+    sf = 32 if fmt == "mxfp4" else 16
+    if scale.dtype == torch.uint8:  # raw bytes: reinterpret, never convert (seed 003)
+        scale = scale.view(torch.float8_e8m0fnu if fmt == "mxfp4" else torch.float8_e4m3fn)
+    s = ue8m0_decode(scale) if fmt == "mxfp4" else scale.float()  # exact decodes
+    return vals * s.repeat_interleave(sf, dim=-1)
+
+
+def fold_fp4_weight_w4a8(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """What the W4A8 kernel multiplies: FP4 * block scale folded into E4M3 relative to a per-(row,
+    128-K block) base, times 2^base (fp32 ``[..., N, K]``).
+
+    mxfp4: base = max exponent - 6; shift d = e - base in [-8, 6] is exact, d < -8 flushes to 0.
+    nvfp4: base = floor(log2(max sf)) - 5; value = e4m3_rn(level * sf * 2^-base) (exact for
+    power-of-two sf). See kernels_cuda/moe.cu.
+    """
+    vals = e2m1_decode(unpack_e2m1(data))
+    K = vals.shape[-1]
+    nb = K // 128
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu if fmt == "mxfp4" else torch.float8_e4m3fn)
+    if fmt == "mxfp4":
+        e = scale.view(torch.uint8).to(torch.int32).view(*scale.shape[:-1], nb, 4)
+        emax = e.amax(-1, keepdim=True)
+        d = e - emax + 6
+        f = torch.where(d < -8, torch.zeros_like(d, dtype=torch.float32), torch.exp2(d.float()))
+        base = torch.exp2((emax - 127 - 6).float())
+        q = vals.view(*vals.shape[:-1], nb, 4, 32) * f.unsqueeze(-1)
+        return (q * base.unsqueeze(-1)).reshape(vals.shape)
+    sf = scale.float().view(*scale.shape[:-1], nb, 8)
+    sm = sf.amax(-1, keepdim=True)
+    base = torch.where(sm > 0, torch.floor(torch.log2(sm.clamp_min(1e-30))) - 5, torch.zeros_like(sm))
+    q = vals.view(*vals.shape[:-1], nb, 8, 16) * (sf * torch.exp2(-base)).unsqueeze(-1)
+    q = q.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return (q * torch.exp2(base).unsqueeze(-1)).reshape(vals.shape)
+
+
+def route_ref(x, gate_weight, bias, input_ids, tid2eid, topk: int, route_scale: float):
+    """DSV4 Gate: ``s = sqrt(softplus(x W^T))``; ``idx = topk(s + bias)`` or ``tid2eid[ids]``;
+    ``w = s[idx] / sum * route_scale`` (fp32)."""
+    logits = x.float() @ gate_weight.float().t()
+    s = torch.sqrt(F.softplus(logits))
+    if tid2eid is not None:
+        idx = tid2eid[input_ids.long()].long()
+    else:
+        sel = s + bias.float() if bias is not None else s
+        idx = sel.topk(topk, dim=-1).indices
+    w = s.gather(1, idx)
+    w = w / w.sum(-1, keepdim=True) * route_scale
+    return idx.to(torch.int32), w.float()
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
+    gate = gate.to(torch.bfloat16).float().clamp(max=10.0)
+    up = up.to(torch.bfloat16).float().clamp(-10.0, 10.0)
+    return (F.silu(gate) * up * rw.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def moe_layer_ref(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                  w2_scale: torch.Tensor, *, fmt: str, gate_weight: Optional[torch.Tensor] = None,
+                  bias: Optional[torch.Tensor] = None, topk: int = 6, route_scale: float = 1.5,
+                  w13_global: Optional[torch.Tensor] = None, w2_global: Optional[torch.Tensor] = None,
+                  act: str = "fp8", input_ids=None, tid2eid=None, topk_idx=None, topk_w=None,
+                  kernel_fold: bool = False) -> torch.Tensor:
+    """Routed-expert layer in FP32 from checkpoint tensors (loops over experts; oracle only).
+
+    Args: checkpoint tensors as :func:`dsv4.ops.moe.moe_prepare_weights` (W13 rows = [gate; up]);
+    router args as ``moe_route``, or a given routing (``topk_idx``, ``topk_w``); ``act``: 'fp8'
+    (W4A8: activations and h through act_quant(128, ue8m0)) or 'bf16' (W4A16).
+    ``kernel_fold``: use the W4A8 kernel's E4M3 weight fold (:func:`fold_fp4_weight_w4a8`)
+    instead of the exact dequant (only differs for general NVFP4 scales or > 14-binade spreads).
+    Returns fp32 ``[T, D]``.
+    """
+    deq = fold_fp4_weight_w4a8 if (kernel_fold and act == "fp8") else dequant_fp4_weight
+    T, D = x.shape
+    E, N13, _ = w13.shape
+    I = N13 // 2
+    if topk_idx is None:
+        topk_idx, topk_w = route_ref(x, gate_weight, bias, input_ids, tid2eid, topk, route_scale)
+    g13 = w13_global.float() if w13_global is not None else torch.ones(E, 2, device=x.device)
+    g2 = w2_global.float() if w2_global is not None else torch.ones(E, device=x.device)
+    if act == "fp8":
+        xq, xs = quantize_fp8_block(x, 128, "ue8m0")
+        xd = dequantize_fp8_block(xq, xs, 128)
+    else:
+        xd = x.to(torch.bfloat16).float()
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    idx = topk_idx.long()
+    for e in range(E):
+        tok, slot = torch.nonzero(idx == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        w13d = deq(w13[e], w13_scale[e], fmt)
+        wg_, wu_ = w13d[:I] * g13[e, 0], w13d[I:] * g13[e, 1]   # plain concat [gate; up]
+        xe = xd[tok]
+        h = _swiglu(xe @ wg_.t(), xe @ wu_.t(), topk_w[tok, slot].float())
+        if act == "fp8":
+            hq, hs = quantize_fp8_block(h, 128, "ue8m0")
+            hd = dequantize_fp8_block(hq, hs, 128)
+        else:
+            hd = h.float()
+        y = hd @ (deq(w2[e], w2_scale[e], fmt) * g2[e]).t()
+        out.index_add_(0, tok, y)
+    return out
+
+
+def _unpermute_w13(w13p: torch.Tensor, I: int) -> torch.Tensor:
+    """Inverse of the prepare tile reordering on dim 1 (any trailing dims)."""
+    from ..ops.moe import w13_tile_permutation
+    perm = w13_tile_permutation(I, w13p.device)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return w13p.index_select(1, inv)
+
+
+def gemm1_swiglu_ref(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt):
+    """Oracle of ``moe_gemm1_swiglu`` on the prepared layout (host loop over experts, syncs)."""
+    R = a.shape[0]
+    I = w13.shape[1] // 2
+    fp8 = a.dtype == torch.float8_e4m3fn
+    ad = dequantize_fp8_block(a, a_s, 128) if fp8 else a.float()
+    h = torch.zeros(R, I, dtype=torch.bfloat16, device=a.device)
+    starts, counts = row_start.tolist(), row_count.tolist()
+    for e, (s0, c) in enumerate(zip(starts, counts)):
+        if c == 0:
+            continue
+        w = _unpermute_w13(dequant_fp4_weight(w13[e:e + 1], w13_scale[e:e + 1], fmt), I)[0]
+        xe = ad[s0:s0 + c]
+        h[s0:s0 + c] = _swiglu(xe @ (w[:I] * g13[e, 0]).t(), xe @ (w[I:] * g13[e, 1]).t(), route_w[s0:s0 + c])
+    if fp8:
+        return quantize_fp8_block(h, 128, "ue8m0")
+    return h, torch.empty(0, dtype=torch.float32, device=a.device)
+
+
+def gemm2_ref(h, h_s, w2, w2_scale, g2, row_start, row_count, fmt):
+    """Oracle of ``moe_gemm2`` (host loop over experts, syncs). Rows outside experts are 0."""
+    R = h.shape[0]
+    D = w2.shape[1]
+    hd = dequantize_fp8_block(h, h_s, 128) if h.dtype == torch.float8_e4m3fn else h.float()
+    y = torch.zeros(R, D, dtype=torch.float32, device=h.device)
+    for e, (s0, c) in enumerate(zip(row_start.tolist(), row_count.tolist())):
+        if c == 0:
+            continue
+        y[s0:s0 + c] = hd[s0:s0 + c] @ (dequant_fp4_weight(w2[e], w2_scale[e], fmt) * g2[e]).t()
+    return y
+
+
+class TorchMoERoute(Provider):
+    kind = "torch"
+    describe = "torch: fp32 router GEMM, sqrt(softplus), topk (device-side, no sync)"
+
+    def supports(self, problem, target):
+        return Support.yes("torch, any device")
+
+    def run(self, problem, *, x, gate_weight, bias, input_ids, tid2eid, topk, route_scale):
+        return route_ref(x, gate_weight, bias, input_ids, tid2eid, topk, route_scale)
+
+
+class TorchMoEPrepare(Provider):
+    kind = "torch"
+    describe = "torch: index_select tile reordering + .view(uint8) scale bytes"
+
+    def supports(self, problem, target):
+        return Support.yes("torch, any device")
+
+    def run(self, problem, **kw):
+        from ..ops.moe import prepare_impl
+        return prepare_impl(problem, **kw)
+
+
+class TorchMoEGemm1(Provider):
+    kind = "torch"
+    describe = "torch oracle: fp32 dequant + matmul per expert (host loop; syncs)"
+
+    def supports(self, problem, target):
+        return Support.yes("reference, any device")
+
+    def run(self, problem, *, a, a_s, w13, w13_scale, g13, row_start, row_count, route_w):
+        return gemm1_swiglu_ref(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, problem["fmt"])
+
+
+class TorchMoEGemm2(Provider):
+    kind = "torch"
+    describe = "torch oracle: fp32 dequant + matmul per expert (host loop; syncs)"
+
+    def supports(self, problem, target):
+        return Support.yes("reference, any device")
+
+    def run(self, problem, *, h, h_s, w2, w2_scale, g2, row_start, row_count):
+        return gemm2_ref(h, h_s, w2, w2_scale, g2, row_start, row_count, problem["fmt"])
+
+
+PROVIDERS = {"moe_route": TorchMoERoute, "moe_prepare_weights": TorchMoEPrepare,
+             "moe_gemm1_swiglu": TorchMoEGemm1, "moe_gemm2": TorchMoEGemm2}

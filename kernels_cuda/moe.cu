@@ -1,0 +1,680 @@
+// moe.cu: grouped FP4-weight expert GEMMs for DSV4 MoE on Hopper (sm_90a), WGMMA tensor cores.
+// Contract: docs/layouts/moe_gemm1_swiglu.md, docs/layouts/moe_gemm2.md (dsv4/ops/moe.py).
+//
+//   stage 1 (MOE_STAGE=1): for each grouped row r of expert e and I-block
+//       gate = bf16(sum_k A[r,k] * W13g[e,i,k] * g13[e,0]),  up = bf16(... W13u ... * g13[e,1])
+//       h = silu(min(gate, 10)) * clamp(up, -10, 10) * route_w[r]
+//     W4A8 (MOE_ACT=0): h -> bf16 -> FP8 E4M3 with one UE8M0 (power of two) scale per 128 columns
+//       (DSV4 act_quant(128, ue8m0)): out = h_q [R, I] e4m3 bytes, out_s = [R, I/128] fp32.
+//     W4A16 (MOE_ACT=1): out = bf16(h) [R, I].
+//   stage 2 (MOE_STAGE=2): y[r, n] = g2[e] * sum_k A[r,k] * W2[e,n,k], fp32 out [R, D].
+//
+// Operands: A = grouped activations, rows [row_start[e], row_start[e] + row_count[e]) belong to
+// expert e (contiguous layout: offsets of sorted tokens; masked: e * max_m). FP8 A has fp32
+// scales [R, K/128] (1x128 blocks); BF16 A has none. W = prepared packed E2M1 [E, N, K/2]
+// (element 2i in the low nibble), scales [E, N, K/SF] (MXFP4: UE8M0 per 32; NVFP4: E4M3 per 16),
+// stage 1 W rows prepared per 256-row tile as [gate 64 | up 64 | gate 64 | up 64].
+//
+// Math (W4A8): per 128-K block kb, the FP4 weights of row n are decoded to E4M3 relative to a
+// per-(n, kb) base exponent: MXFP4 base = max(sf byte of the 4 groups) - 127 - 6, so every
+// value level * 2^(sf-127-base) with shift in [-8, 6] is exact in E4M3 (exact whenever the
+// 4 exponents of a 128-block span <= 14 binades; smaller ones round / flush). NVFP4: base =
+// floor(log2(max sf)) - 5, value = e4m3_rn(level * sf * 2^-base): exact when the E4M3 scales are
+// powers of two (NVIDIA's lossless MXFP4 -> NVFP4 re-encoding), else one E4M3 rounding (<= 2^-4
+// relative) per weight. The FP8 WGMMA over the block (4 x k32) goes to a fresh FP32 accumulator
+// that is promoted once per block: total += acc * sa[m, kb] * 2^base[n, kb] (DeepGEMM 1x128
+// promotion). W4A16: FP4 * scale decoded exactly to bf16, BF16 WGMMA accumulates all of K.
+// Global scales (per expert; gate/up separate for W13) multiply in the epilogue.
+//
+// Tiles: BM = 64 rows x BN = 256 columns, 256 threads = 2 warpgroups (each m64n128), BK = 128.
+// Persistent grid-stride over the non-empty (m-tile, n-tile) pairs: per-expert m-tile counts are
+// read on the device and prefix-summed in shared memory; empty experts have no tiles.
+// Two-stage pipeline: A by cp.async, W by 16-byte ld.global.nc into registers, decoded into the
+// other stage's shared memory while the WGMMAs of the current stage run.
+//
+// Kernels: moe_gemm_kernel (v1: register prefetch of the next k-block, no-swizzle operands) and
+// moe_gemm_kernel_v2 (cp.async ring, decode from shared memory; MOE_SW128=0 -> "v2", no-swizzle
+// operands, GPU-validated and the default; MOE_SW128=1 -> "v3", 128B-swizzled operands, compiled and
+// CPU-checked but not yet run on the GPU). See kernels_cuda/moe.py (DSV4_MOE_KERNEL).
+//
+// Macros: MOE_ACT (0 = FP8 E4M3, 1 = BF16), MOE_WFMT (0 = MXFP4, 1 = NVFP4), MOE_STAGE (1, 2),
+// MOE_SW128 (v2 kernel operand layout), MOE_STAGES (cp.async ring depth), MOE_DIAG (bench only).
+#include "moe.cuh"
+
+#ifndef MOE_ACT
+#define MOE_ACT 0
+#endif
+#ifndef MOE_WFMT
+#define MOE_WFMT 0
+#endif
+#ifndef MOE_STAGE
+#define MOE_STAGE 1
+#endif
+
+#define BM 64
+#define BN 256
+#define BK 128
+#define NTHREADS 256
+#if MOE_ACT == 0
+#define KBYTES 128  // bytes of one tile row per K block (e4m3)
+#else
+#define KBYTES 256  // bf16
+#endif
+#define NCORE (KBYTES / 16)
+#define SBO_BYTES (NCORE * 128)
+#define A_TILE_BYTES (BM * KBYTES)
+#define B_TILE_BYTES (BN * KBYTES)
+#define STAGE_BYTES (A_TILE_BYTES + B_TILE_BYTES)
+#if MOE_WFMT == 0
+#define SF_PER_K 32
+#else
+#define SF_PER_K 16
+#endif
+
+// shared-memory byte offset of (row, 16-byte chunk c) in a core-matrix blocked tile
+DSV4_DEVICE u32 tile_off(int row, int c) { return (u32)((((row >> 3) * NCORE + c) << 7) + ((row & 7) << 4)); }
+
+struct WRegs {
+  u32x4 v[4];  // 64 packed bytes = 128 E2M1 of one row, one K block
+#if MOE_WFMT == 0
+  u32 sf;      // 4 UE8M0 bytes
+#else
+  u32x2 sf;    // 8 E4M3 bytes
+#endif
+};
+
+DSV4_DEVICE void load_w(WRegs& r, const u8* wrow, const u8* srow, int kb) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) r.v[c] = ld_global_nc_v4(wrow + kb * 64 + c * 16);
+#if MOE_WFMT == 0
+  r.sf = ld_global_nc_u32(srow + kb * 4);
+#else
+  r.sf = ld_global_nc_v2(srow + kb * 8);
+#endif
+}
+
+// decode one row's K block into the B tile (row n); returns the per-(n, kb) promotion factor
+DSV4_DEVICE float decode_w(const WRegs& r, u32 sB, int n) {
+#if MOE_ACT == 0
+#if MOE_WFMT == 0
+  const int e0 = r.sf & 0xFF, e1 = (r.sf >> 8) & 0xFF, e2 = (r.sf >> 16) & 0xFF, e3 = r.sf >> 24;
+  const int emax = max(max(e0, e1), max(e2, e3));
+  const int es[4] = {e0, e1, e2, e3};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    u32 la, lb;
+    e2m1_e4m3_lut(exp2i(max(es[c] - emax + 6, -30)), la, lb);
+    u32 o[8];
+    const u32 w[4] = {r.v[c].x, r.v[c].y, r.v[c].z, r.v[c].w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) e2m1x8_to_e4m3x8(w[q], la, lb, o[2 * q], o[2 * q + 1]);
+    st_shared_v4(sB + tile_off(n, 2 * c), o[0], o[1], o[2], o[3]);
+    st_shared_v4(sB + tile_off(n, 2 * c + 1), o[4], o[5], o[6], o[7]);
+  }
+  return exp2i(max(emax - 127 - 6, -149));
+#else
+  float sf[8];
+  e4m3x2_to_f32x2(r.sf.x, sf[0], sf[1]);
+  e4m3x2_to_f32x2(r.sf.x >> 16, sf[2], sf[3]);
+  e4m3x2_to_f32x2(r.sf.y, sf[4], sf[5]);
+  e4m3x2_to_f32x2(r.sf.y >> 16, sf[6], sf[7]);
+  float sm = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sm = fmaxf(sm, sf[i]);
+  const int base = sm > 0.0f ? (int)((__float_as_uint(sm) >> 23) & 0xFF) - 127 - 5 : 0;
+  const float inv = exp2i(-base);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const u32 w[4] = {r.v[c].x, r.v[c].y, r.v[c].z, r.v[c].w};
+    u32 o[8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // two 16-element groups per 32-element chunk
+      u32 la, lb;
+      e2m1_e4m3_lut(sf[2 * c + h] * inv, la, lb);
+      e2m1x8_to_e4m3x8(w[2 * h], la, lb, o[4 * h], o[4 * h + 1]);
+      e2m1x8_to_e4m3x8(w[2 * h + 1], la, lb, o[4 * h + 2], o[4 * h + 3]);
+    }
+    st_shared_v4(sB + tile_off(n, 2 * c), o[0], o[1], o[2], o[3]);
+    st_shared_v4(sB + tile_off(n, 2 * c + 1), o[4], o[5], o[6], o[7]);
+  }
+  return exp2i(base);
+#endif
+#else  // BF16 activations: exact bf16 weights, scale folded
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const u32 w[4] = {r.v[c].x, r.v[c].y, r.v[c].z, r.v[c].w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+#if MOE_WFMT == 0
+      const float sc = ue8m0_to_f32((r.sf >> (8 * c)) & 0xFFu);
+#else
+      const u32 sb = (c < 2 ? r.sf.x : r.sf.y) >> (16 * (c & 1) + 8 * (q >> 1));
+      const float sc = e4m3_to_f32(sb & 0xFFu);
+#endif
+      u32 o[4];
+      e2m1x8_to_bf16x8_scaled(w[q], sc, o);
+      st_shared_v4(sB + tile_off(n, 4 * c + q), o[0], o[1], o[2], o[3]);
+    }
+  }
+  return 1.0f;
+#endif
+}
+
+DSV4_DEVICE void load_a(u32 sA, const u8* A, i64 row0, int nrows, int K, int kb, int tid) {
+  // A tile: BM rows x KBYTES bytes; rows past nrows re-read the last valid row (never stored)
+  constexpr int CHUNKS = BM * NCORE;
+#pragma unroll
+  for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
+    const int ch = tid + i * NTHREADS;
+    const int row = ch / NCORE, c = ch % NCORE;
+    const int rr = row < nrows ? row : nrows - 1;
+    const u8* g = A + (row0 + rr) * (i64)K * (KBYTES / BK) + (i64)kb * KBYTES + c * 16;
+    cp_async16(sA + tile_off(row, c), g);
+  }
+  cp_async_commit();
+}
+
+// epilogue of one (m-tile, n-tile): res = the thread's 64 FP32 results (fragment layout, moe.cuh)
+DSV4_DEVICE void epilogue(const float* res, const float* __restrict__ W_g, const float* __restrict__ route_w,
+                          void* __restrict__ out, float* __restrict__ out_s, float* sAmax, int e, i64 row0,
+                          int nrows, int nt, int n0, int N, int wg, int lane, int r0) {
+#if MOE_STAGE == 1
+  // epilogue: clamped SwiGLU * routing weight; this warpgroup owns I columns [i0, i0 + 64)
+  const int I = N / 2;
+  const int i0 = nt * 128 + wg * 64;
+  const float gg = __ldg(W_g + 2 * e), gu = __ldg(W_g + 2 * e + 1);
+  const float rw0 = r0 < nrows ? __ldg(route_w + row0 + r0) : 0.0f;
+  const float rw1 = r0 + 8 < nrows ? __ldg(route_w + row0 + r0 + 8) : 0.0f;
+  float h[32];  // [j][0..3] for j < 8: (r0, c), (r0, c+1), (r0+8, c), (r0+8, c+1)
+  float am0 = 0.0f, am1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float g = round_bf16(res[4 * j + q] * gg);
+      float u = round_bf16(res[4 * (j + 8) + q] * gu);
+      g = fminf(g, 10.0f);
+      u = fminf(fmaxf(u, -10.0f), 10.0f);
+      float v = g / (1.0f + __expf(-g)) * u * ((q < 2) ? rw0 : rw1);
+      v = round_bf16(v);
+      h[4 * j + q] = v;
+      if (q < 2) am0 = fmaxf(am0, fabsf(v)); else am1 = fmaxf(am1, fabsf(v));
+    }
+  }
+#if MOE_ACT == 0
+  am0 = fmaxf(am0, __shfl_xor_sync(0xFFFFFFFFu, am0, 1));
+  am0 = fmaxf(am0, __shfl_xor_sync(0xFFFFFFFFu, am0, 2));
+  am1 = fmaxf(am1, __shfl_xor_sync(0xFFFFFFFFu, am1, 1));
+  am1 = fmaxf(am1, __shfl_xor_sync(0xFFFFFFFFu, am1, 2));
+  if ((lane & 3) == 0) {
+    sAmax[wg * BM + r0] = am0;
+    sAmax[wg * BM + r0 + 8] = am1;
+  }
+  __syncthreads();
+  // DSV4 act_quant(128, ue8m0): s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448)))
+  float sc[2];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int r = r0 + 8 * t;
+    const float a = fmaxf(fmaxf(sAmax[r], sAmax[BM + r]), 1e-4f) * (1.0f / 448.0f);
+    const u32 bits = __float_as_uint(a);
+    const u32 ex = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u ? 1u : 0u);
+    sc[t] = __uint_as_float(ex << 23);
+  }
+  u8* hq = reinterpret_cast<u8*>(out);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = i0 + 8 * j + 2 * (lane & 3);
+    if (r0 < nrows) {
+      const u32 p = f32x2_to_e4m3x2(h[4 * j] / sc[0], h[4 * j + 1] / sc[0]);
+      *reinterpret_cast<u16*>(hq + (row0 + r0) * (i64)I + c) = (u16)p;
+    }
+    if (r0 + 8 < nrows) {
+      const u32 p = f32x2_to_e4m3x2(h[4 * j + 2] / sc[1], h[4 * j + 3] / sc[1]);
+      *reinterpret_cast<u16*>(hq + (row0 + r0 + 8) * (i64)I + c) = (u16)p;
+    }
+  }
+  if (wg == 0 && (lane & 3) == 0) {
+    if (r0 < nrows) out_s[(row0 + r0) * (i64)(I / 128) + nt] = sc[0];
+    if (r0 + 8 < nrows) out_s[(row0 + r0 + 8) * (i64)(I / 128) + nt] = sc[1];
+  }
+  __syncthreads();  // sAmax reuse by the next tile
+#else
+  u32* hb = reinterpret_cast<u32*>(out);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = i0 + 8 * j + 2 * (lane & 3);
+    if (r0 < nrows) hb[((row0 + r0) * (i64)I + c) >> 1] = pack_bf16x2(h[4 * j], h[4 * j + 1]);
+    if (r0 + 8 < nrows) hb[((row0 + r0 + 8) * (i64)I + c) >> 1] = pack_bf16x2(h[4 * j + 2], h[4 * j + 3]);
+  }
+#endif
+#else  // MOE_STAGE == 2: y = g2[e] * acc, fp32
+  const float g2 = __ldg(W_g + e);
+  float* y = reinterpret_cast<float*>(out);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int c = n0 + wg * 128 + 8 * j + 2 * (lane & 3);
+    if (r0 < nrows) {
+      float2 v = make_float2(res[4 * j] * g2, res[4 * j + 1] * g2);
+      *reinterpret_cast<float2*>(y + (row0 + r0) * (i64)N + c) = v;
+    }
+    if (r0 + 8 < nrows) {
+      float2 v = make_float2(res[4 * j + 2] * g2, res[4 * j + 3] * g2);
+      *reinterpret_cast<float2*>(y + (row0 + r0 + 8) * (i64)N + c) = v;
+    }
+  }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) moe_gemm_kernel(
+    const u8* __restrict__ A,           // [R, K] e4m3 bytes or bf16
+    const float* __restrict__ A_s,      // [R, K/128] fp32 (FP8 only)
+    const u8* __restrict__ W,           // [E, N, K/2] packed E2M1 (prepared)
+    const u8* __restrict__ W_s,         // [E, N, K/SF] scale bytes
+    const float* __restrict__ W_g,      // stage 1: [E, 2] (gate, up); stage 2: [E]
+    const int* __restrict__ row_start,  // [E]
+    const int* __restrict__ row_count,  // [E]
+    const float* __restrict__ route_w,  // [R] (stage 1)
+    void* __restrict__ out,             // stage 1: [R, N/2] e4m3 / bf16; stage 2: [R, N] fp32
+    float* __restrict__ out_s,          // stage 1 FP8: [R, N/2/128]
+    int E, int N, int K) {
+  extern __shared__ __align__(128) u8 smem[];
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
+  float* sScaleB = reinterpret_cast<float*>(smem + 2 * STAGE_BYTES);  // [2][BN]
+  float* sAmax = sScaleB + 2 * BN;                                     // [2][BM]
+  int* sPrefix = reinterpret_cast<int*>(sAmax + 2 * BM);               // [E + 1]
+  const u32 s_base = smem_u32(smem);
+
+  // per-expert m-tile prefix sums (device-side counts; no host sync)
+  if (tid < 32) {
+    int carry = 0;
+    for (int b = 0; b < E; b += 32) {
+      const int e = b + lane;
+      int v = e < E ? (row_count[e] + BM - 1) / BM : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(0xFFFFFFFFu, v, o);
+        if (lane >= o) v += t;
+      }
+      if (e < E) sPrefix[e + 1] = carry + v;
+      carry += __shfl_sync(0xFFFFFFFFu, v, 31);
+    }
+    if (lane == 0) sPrefix[0] = 0;
+  }
+  __syncthreads();
+  const int NT = N / BN, KB = K / BK;
+  const int total = sPrefix[E] * NT;
+  const int r0 = warp * 16 + (lane >> 2);  // accumulator rows r0, r0 + 8 of this thread
+
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const int mt = tile / NT, nt = tile - mt * NT;
+    int lo = 0, hi = E - 1;  // expert e: sPrefix[e] <= mt < sPrefix[e+1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (sPrefix[mid] <= mt) lo = mid; else hi = mid - 1;
+    }
+    const int e = lo;
+    const int mloc = (mt - sPrefix[e]) * BM;
+    const i64 row0 = (i64)row_start[e] + mloc;
+    const int nrows = min(BM, row_count[e] - mloc);
+    const int n0 = nt * BN;
+    // this thread decodes weight row n0 + tid
+    const u8* wrow = W + ((i64)e * N + n0 + tid) * (K / 2);
+    const u8* srow = W_s + ((i64)e * N + n0 + tid) * (K / SF_PER_K);
+
+    float acc[64];
+#if MOE_ACT == 0
+    float tot[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) tot[i] = 0.0f;
+    const i64 ra = row0 + min(r0, nrows - 1), rb = row0 + min(r0 + 8, nrows - 1);
+#endif
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+
+    // prologue: stage 0
+    {
+      WRegs wr;
+      load_a(s_base, A, row0, nrows, K, 0, tid);
+      load_w(wr, wrow, srow, 0);
+      sScaleB[tid] = decode_w(wr, s_base + A_TILE_BYTES, tid);
+      cp_async_wait_all();
+      fence_proxy_async();
+      __syncthreads();
+    }
+    for (int kb = 0; kb < KB; ++kb) {
+      const int st = kb & 1;
+      const u32 sA = s_base + st * STAGE_BYTES, sB = sA + A_TILE_BYTES;
+      const bool more = kb + 1 < KB;
+      WRegs wr;
+      if (more) {
+        load_a(s_base + (st ^ 1) * STAGE_BYTES, A, row0, nrows, K, kb + 1, tid);
+        load_w(wr, wrow, srow, kb + 1);
+      }
+#if MOE_ACT == 0
+      const float sa0 = __ldg(A_s + ra * KB + kb), sa1 = __ldg(A_s + rb * KB + kb);
+#endif
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < BK * (KBYTES / BK) / 32; ++s) {
+        const u64 da = make_desc(sA + s * 256, 128, SBO_BYTES);
+        const u64 db = make_desc(sB + wg * (128 / 8) * SBO_BYTES + s * 256, 128, SBO_BYTES);
+#if MOE_ACT == 0
+        wgmma_m64n128k32_e4m3(acc, da, db, s > 0 ? 1 : 0);
+#else
+        wgmma_m64n128k16_bf16(acc, da, db, (kb > 0 || s > 0) ? 1 : 0);
+#endif
+      }
+      wgmma_commit();
+      if (more) sScaleB[(st ^ 1) * BN + tid] = decode_w(wr, s_base + (st ^ 1) * STAGE_BYTES + A_TILE_BYTES, tid);
+      wgmma_wait0();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+#if MOE_ACT == 0
+      {
+        const float* sb = sScaleB + st * BN + wg * 128 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float b0 = sb[8 * j], b1 = sb[8 * j + 1];
+          tot[4 * j + 0] += acc[4 * j + 0] * (sa0 * b0);
+          tot[4 * j + 1] += acc[4 * j + 1] * (sa0 * b1);
+          tot[4 * j + 2] += acc[4 * j + 2] * (sa1 * b0);
+          tot[4 * j + 3] += acc[4 * j + 3] * (sa1 * b1);
+        }
+      }
+#endif
+      cp_async_wait_all();
+      fence_proxy_async();
+      __syncthreads();
+    }
+#if MOE_ACT == 0
+    float* res = tot;
+#else
+    float* res = acc;
+#endif
+
+    epilogue(res, W_g, route_w, out, out_s, sAmax, e, row0, nrows, nt, n0, N, wg, lane, r0);
+  }
+}
+
+// =====================================================================================
+// v2: cp.async ring of STAGES raw k-blocks (A tile + packed FP4 rows + scale bytes), FP4 decode
+// from shared memory into a double-buffered WGMMA B tile while the WGMMAs of the previous block
+// run. Each thread copies and decodes its own weight row (no barrier between its cp.async wait
+// and its decode); one __syncthreads per k-block. MXFP4/FP8 decode uses a per-CTA table of the
+// 15 exact LUTs (shift d in [-8, 6]; entry 15 = zero for d < -8: flush).
+#ifndef MOE_STAGES
+#if MOE_ACT == 0
+#define MOE_STAGES 4
+#else
+#define MOE_STAGES 2
+#endif
+#endif
+#ifndef MOE_DIAG
+#define MOE_DIAG 0  // diagnostics only (wrong results): 1 = skip the WGMMAs, 2 = skip the FP4 decode
+#endif
+#define PK_BYTES (BN * 64)  // packed FP4 of one k-block: 64 B per row
+#define SC_BYTES (BN * 8)   // scale bytes: 8 B per row (4 used for MXFP4)
+#define SLOT_BYTES (A_TILE_BYTES + PK_BYTES + SC_BYTES)
+#define RING_BYTES (MOE_STAGES * SLOT_BYTES)
+
+#ifndef MOE_SW128
+#define MOE_SW128 1
+#endif
+// WGMMA operand tile offset of (row, 16-byte chunk c) in a tile of R rows.
+// MOE_SW128=1: K-major 128-byte swizzle (descriptor layout type 1): rows of 128 B, chunk c of row r at
+//   ((c ^ r) & 7) * 16, 8-row atoms of 1024 B (SBO = 1024); a 256-B bf16 K block is two such regions.
+// MOE_SW128=0: no-swizzle core-matrix layout (tile_off above).
+DSV4_DEVICE u32 op_off(int row, int c, int R) {
+#if MOE_SW128
+  return (u32)((c >> 3) * (R * 128) + row * 128 + (((c ^ row) & 7) << 4));
+#else
+  return tile_off(row, c);
+#endif
+}
+DSV4_DEVICE u64 op_desc(u32 tile, int row0, int s, int R) {  // k-step s (32 bytes) of rows [row0, row0+64/128)
+#if MOE_SW128
+  u64 d = make_desc(tile + (s >> 2) * (R * 128) + row0 * 128 + (s & 3) * 32, 0, 1024);
+  return d | (1ull << 62);
+#else
+  return make_desc(tile + (row0 / 8) * SBO_BYTES + s * 256, 128, SBO_BYTES);
+#endif
+}
+
+DSV4_DEVICE u32 pk_off(int n, int c) { return (u32)(n * 64 + (((c ^ (n >> 1)) & 3) << 4)); }
+
+DSV4_DEVICE void issue_kblock(u32 slot, const u8* A, i64 row0, int nrows, int K, int kb, int tid,
+                              const u8* wrow, const u8* srow) {
+  constexpr int CHUNKS = BM * NCORE;
+#pragma unroll
+  for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
+    const int ch = tid + i * NTHREADS;
+    const int row = ch / NCORE, c = ch % NCORE;
+    const int rr = row < nrows ? row : nrows - 1;
+    cp_async16(slot + op_off(row, c, BM), A + (row0 + rr) * (i64)K * (KBYTES / BK) + (i64)kb * KBYTES + c * 16);
+  }
+  const u32 pk = slot + A_TILE_BYTES, sc = pk + PK_BYTES;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) cp_async16(pk + pk_off(tid, c), wrow + kb * 64 + c * 16);
+#if MOE_WFMT == 0
+  cp_async4(sc + tid * 8, srow + kb * 4);
+#else
+  cp_async8(sc + tid * 8, srow + kb * 8);
+#endif
+}
+
+DSV4_DEVICE float decode_v2(u32 slot, u32 sB, int n, const u32x2* sLut) {
+  const u32 pk = slot + A_TILE_BYTES, scb = pk + PK_BYTES;
+#if MOE_ACT == 0 && MOE_WFMT == 0
+  const u32 sf = ld_shared_u32(scb + n * 8);
+  const int e0 = sf & 0xFF, e1 = (sf >> 8) & 0xFF, e2 = (sf >> 16) & 0xFF, e3 = sf >> 24;
+  const int emax = max(max(e0, e1), max(e2, e3));
+  const int es[4] = {e0, e1, e2, e3};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int d = es[c] - emax + 6;
+    const u32x2 lut = sLut[d < -8 ? 15 : d + 8];
+    const u32x4 v = ld_shared_v4(pk + pk_off(n, c));
+    u32 o[8];
+    e2m1x8_to_e4m3x8_v2(v.x, lut.x, lut.y, o[0], o[1]);
+    e2m1x8_to_e4m3x8_v2(v.y, lut.x, lut.y, o[2], o[3]);
+    e2m1x8_to_e4m3x8_v2(v.z, lut.x, lut.y, o[4], o[5]);
+    e2m1x8_to_e4m3x8_v2(v.w, lut.x, lut.y, o[6], o[7]);
+    st_shared_v4(sB + op_off(n, 2 * c, BN), o[0], o[1], o[2], o[3]);
+    st_shared_v4(sB + op_off(n, 2 * c + 1, BN), o[4], o[5], o[6], o[7]);
+  }
+  return exp2i(max(emax - 127 - 6, -149));
+#elif MOE_ACT == 0  // NVFP4 -> FP8: LUT per 16-group (cvt; exact for power-of-two E4M3 scales)
+  const u32x2 sfb = ld_shared_v2(scb + n * 8);
+  float sf[8];
+  e4m3x2_to_f32x2(sfb.x, sf[0], sf[1]);
+  e4m3x2_to_f32x2(sfb.x >> 16, sf[2], sf[3]);
+  e4m3x2_to_f32x2(sfb.y, sf[4], sf[5]);
+  e4m3x2_to_f32x2(sfb.y >> 16, sf[6], sf[7]);
+  float sm = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sm = fmaxf(sm, sf[i]);
+  const int base = sm > 0.0f ? (int)((__float_as_uint(sm) >> 23) & 0xFF) - 127 - 5 : 0;
+  const float inv = exp2i(-base);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const u32x4 v = ld_shared_v4(pk + pk_off(n, c));
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    u32 o[8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      u32 la, lb;
+      e2m1_e4m3_lut(sf[2 * c + h] * inv, la, lb);
+      e2m1x8_to_e4m3x8_v2(w[2 * h], la, lb, o[4 * h], o[4 * h + 1]);
+      e2m1x8_to_e4m3x8_v2(w[2 * h + 1], la, lb, o[4 * h + 2], o[4 * h + 3]);
+    }
+    st_shared_v4(sB + op_off(n, 2 * c, BN), o[0], o[1], o[2], o[3]);
+    st_shared_v4(sB + op_off(n, 2 * c + 1, BN), o[4], o[5], o[6], o[7]);
+  }
+  return exp2i(base);
+#else  // BF16 activations
+  WRegs r;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) r.v[c] = ld_shared_v4(pk + pk_off(n, c));
+#if MOE_WFMT == 0
+  r.sf = ld_shared_u32(scb + n * 8);
+#else
+  r.sf = ld_shared_v2(scb + n * 8);
+#endif
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const u32 w[4] = {r.v[c].x, r.v[c].y, r.v[c].z, r.v[c].w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+#if MOE_WFMT == 0
+      const float sc = ue8m0_to_f32((r.sf >> (8 * c)) & 0xFFu);
+#else
+      const u32 sb = (c < 2 ? r.sf.x : r.sf.y) >> (16 * (c & 1) + 8 * (q >> 1));
+      const float sc = e4m3_to_f32(sb & 0xFFu);
+#endif
+      u32 o[4];
+      e2m1x8_to_bf16x8_scaled(w[q], sc, o);
+      st_shared_v4(sB + op_off(n, 4 * c + q, BN), o[0], o[1], o[2], o[3]);
+    }
+  }
+  return 1.0f;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) moe_gemm_kernel_v2(
+    const u8* __restrict__ A, const float* __restrict__ A_s, const u8* __restrict__ W,
+    const u8* __restrict__ W_s, const float* __restrict__ W_g, const int* __restrict__ row_start,
+    const int* __restrict__ row_count, const float* __restrict__ route_w, void* __restrict__ out,
+    float* __restrict__ out_s, int E, int N, int K) {
+  extern __shared__ __align__(128) u8 smem[];
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
+  const u32 s_raw = smem_u32(smem);
+  const u32 s_base = (s_raw + 1023u) & ~1023u;  // 128B-swizzle atoms need 1024-B alignment
+  u8* smem_al = smem + (s_base - s_raw);
+  const u32 s_dbuf = s_base + RING_BYTES;                                               // [2][B tile]
+  float* sScaleB = reinterpret_cast<float*>(smem_al + RING_BYTES + 2 * B_TILE_BYTES);  // [2][BN]
+  float* sAmax = sScaleB + 2 * BN;                                                   // [2][BM]
+  u32x2* sLut = reinterpret_cast<u32x2*>(sAmax + 2 * BM);                            // [16]
+  int* sPrefix = reinterpret_cast<int*>(sLut + 16);                                  // [E + 1]
+
+  if (tid < 16) {
+    u32 la = 0u, lb = 0u;
+    if (tid < 15) e2m1_e4m3_lut(exp2i(tid - 8), la, lb);
+    sLut[tid] = u32x2{la, lb};
+  }
+  if (tid >= 32 && tid < 64) {
+    int carry = 0;
+    for (int b = 0; b < E; b += 32) {
+      const int e = b + lane;
+      int v = e < E ? (row_count[e] + BM - 1) / BM : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(0xFFFFFFFFu, v, o);
+        if (lane >= o) v += t;
+      }
+      if (e < E) sPrefix[e + 1] = carry + v;
+      carry += __shfl_sync(0xFFFFFFFFu, v, 31);
+    }
+    if (lane == 0) sPrefix[0] = 0;
+  }
+  __syncthreads();
+  const int NT = N / BN, KB = K / BK;
+  const int total = sPrefix[E] * NT;
+  const int r0 = warp * 16 + (lane >> 2);
+
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const int mt = tile / NT, nt = tile - mt * NT;
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (sPrefix[mid] <= mt) lo = mid; else hi = mid - 1;
+    }
+    const int e = lo;
+    const int mloc = (mt - sPrefix[e]) * BM;
+    const i64 row0 = (i64)row_start[e] + mloc;
+    const int nrows = min(BM, row_count[e] - mloc);
+    const int n0 = nt * BN;
+    const u8* wrow = W + ((i64)e * N + n0 + tid) * (K / 2);
+    const u8* srow = W_s + ((i64)e * N + n0 + tid) * (K / SF_PER_K);
+
+    float acc[64];
+#if MOE_ACT == 0
+    float tot[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) tot[i] = 0.0f;
+    const i64 ra = row0 + min(r0, nrows - 1), rb = row0 + min(r0 + 8, nrows - 1);
+#endif
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+
+    // prologue: k-blocks 0 .. STAGES-2 in flight, decode k-block 0
+#pragma unroll
+    for (int j = 0; j < MOE_STAGES - 1; ++j) {
+      if (j < KB) issue_kblock(s_base + j * SLOT_BYTES, A, row0, nrows, K, j, tid, wrow, srow);
+      cp_async_commit();
+    }
+    cp_async_wait_group<MOE_STAGES - 2>();
+    sScaleB[tid] = decode_v2(s_base, s_dbuf, tid, sLut);
+    fence_proxy_async();
+    __syncthreads();
+
+    for (int kb = 0; kb < KB; ++kb) {
+      const int st = kb & 1;
+      {
+        const int j = kb + MOE_STAGES - 1;
+        if (j < KB) issue_kblock(s_base + (j % MOE_STAGES) * SLOT_BYTES, A, row0, nrows, K, j, tid, wrow, srow);
+        cp_async_commit();
+      }
+#if MOE_ACT == 0
+      const float sa0 = __ldg(A_s + ra * KB + kb), sa1 = __ldg(A_s + rb * KB + kb);
+#endif
+      const u32 sA = s_base + (kb % MOE_STAGES) * SLOT_BYTES, sB = s_dbuf + st * B_TILE_BYTES;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+      wgmma_fence();
+#if MOE_DIAG != 1
+#pragma unroll
+      for (int s = 0; s < BK * (KBYTES / BK) / 32; ++s) {
+        const u64 da = op_desc(sA, 0, s, BM);
+        const u64 db = op_desc(sB, wg * 128, s, BN);
+#if MOE_ACT == 0
+        wgmma_m64n128k32_e4m3(acc, da, db, s > 0 ? 1 : 0);
+#else
+        wgmma_m64n128k16_bf16(acc, da, db, (kb > 0 || s > 0) ? 1 : 0);
+#endif
+      }
+#endif
+      wgmma_commit();
+      cp_async_wait_group<MOE_STAGES - 2>();  // k-block kb + 1 landed (own copies)
+      if (MOE_DIAG != 2 && kb + 1 < KB)
+        sScaleB[(st ^ 1) * BN + tid] =
+            decode_v2(s_base + ((kb + 1) % MOE_STAGES) * SLOT_BYTES, s_dbuf + (st ^ 1) * B_TILE_BYTES, tid, sLut);
+      wgmma_wait0();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+#if MOE_ACT == 0
+      {
+        const float* sb = sScaleB + st * BN + wg * 128 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float b0 = sb[8 * j], b1 = sb[8 * j + 1];
+          tot[4 * j + 0] += acc[4 * j + 0] * (sa0 * b0);
+          tot[4 * j + 1] += acc[4 * j + 1] * (sa0 * b1);
+          tot[4 * j + 2] += acc[4 * j + 2] * (sa1 * b0);
+          tot[4 * j + 3] += acc[4 * j + 3] * (sa1 * b1);
+        }
+      }
+#endif
+      fence_proxy_async();
+      __syncthreads();
+    }
+#if MOE_ACT == 0
+    float* res = tot;
+#else
+    float* res = acc;
+#endif
+    epilogue(res, W_g, route_w, out, out_s, sAmax, e, row0, nrows, nt, n0, N, wg, lane, r0);
+  }
+}

@@ -1,0 +1,422 @@
+"""Tests of the DSV4 FP4-weight MoE ops (dsv4/ops/moe.py).
+
+CPU: the full pipeline through the torch providers (prepared layout, grouped layouts) against
+the independent checkpoint-layout reference ``moe_layer_ref``; seed-003 regressions (scale
+remap, per-expert global scales, gate/up concat order, float8 byte views); router semantics;
+hypothesis over (tokens, experts, top-k); NVRTC compile + PTX checks of every kernel variant.
+GPU (@pytest.mark.gpu): the WGMMA kernels against the references at realistic sizes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from dsv4.formats import quantize_mxfp4, quantize_nvfp4, swizzle_sf_128x4
+from dsv4.layout import LayoutError
+from dsv4.ops import moe
+from dsv4.reference.moe import dequant_fp4_weight, moe_layer_ref, route_ref
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def make_weights(E, D, I, fmt="mxfp4", seed=0, gscale_spread=0.0, device="cpu", pow2_nvfp4=False):
+    """Random FP4 expert weights (checkpoint layout) with per-row magnitude variation.
+
+    gscale_spread: log10 range of per-expert global scales (nvfp4 global / mxfp4 extra multipliers).
+    """
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    kw = dict(generator=g, device=dev)
+    w13f = torch.randn(E, 2 * I, D, **kw) * 0.02 * torch.exp(torch.randn(E, 2 * I, 1, **kw) * 0.5)
+    w2f = torch.randn(E, D, I, **kw) * 0.02 * torch.exp(torch.randn(E, D, 1, **kw) * 0.5)
+    if gscale_spread:
+        g13 = (10.0 ** (torch.rand(E, 2, **kw) * 2 * gscale_spread - gscale_spread)).float()
+        g2 = (10.0 ** (torch.rand(E, **kw) * 2 * gscale_spread - gscale_spread)).float()
+    else:
+        g13 = g2 = None
+    if fmt == "mxfp4":
+        w13, s13 = quantize_mxfp4(w13f)
+        w2, s2 = quantize_mxfp4(w2f)
+    else:
+        if pow2_nvfp4:  # lossless MXFP4 -> NVFP4 re-encoding: E4M3 scales are powers of two
+            w13, s13m = quantize_mxfp4(w13f)
+            w2, s2m = quantize_mxfp4(w2f)
+            s13 = (s13m.float() * 2.0 ** 10).to(torch.float8_e4m3fn).repeat_interleave(2, -1)
+            s2 = (s2m.float() * 2.0 ** 10).to(torch.float8_e4m3fn).repeat_interleave(2, -1)
+            base13 = torch.full((E, 2), 2.0 ** -10, device=dev)
+            base2 = torch.full((E,), 2.0 ** -10, device=dev)
+        else:
+            t13 = quantize_nvfp4(w13f)  # per-expert global (decode) scale [E]
+            t2 = quantize_nvfp4(w2f)
+            w13, s13, w2, s2 = t13.data, t13.scale, t2.data, t2.scale
+            base13 = t13.global_scale.float().view(E, 1).repeat(1, 2)
+            base2 = t2.global_scale.float().view(E)
+        g13 = base13 if g13 is None else base13 * g13
+        g2 = base2 if g2 is None else base2 * g2
+    to = lambda t: None if t is None else t.to(dev)
+    return dict(w13=to(w13), w13_scale=to(s13), w2=to(w2), w2_scale=to(s2), w13_global=to(g13), w2_global=to(g2))
+
+
+def make_x(T, D, seed=1, device="cpu"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    x[:, torch.randperm(D, generator=g)[: max(1, D // 64)]] *= 30.0  # outlier channels
+    return x.to(torch.bfloat16).to(device)
+
+
+def ref_out(x, ck, fmt, act, idx, w, kernel_fold=False):
+    return moe_layer_ref(x, ck["w13"], ck["w13_scale"], ck["w2"], ck["w2_scale"], fmt=fmt, act=act,
+                         w13_global=ck["w13_global"], w2_global=ck["w2_global"], topk_idx=idx, topk_w=w,
+                         kernel_fold=kernel_fold)
+
+
+def prep(ck, fmt, **kw):
+    return moe.moe_prepare_weights(ck["w13"], ck["w13_scale"], ck["w2"], ck["w2_scale"], fmt=fmt,
+                                   w13_global=ck["w13_global"], w2_global=ck["w2_global"], **kw)
+
+
+def random_routing(T, E, k, seed=2, device="cpu", only=None):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pool = torch.arange(E) if only is None else torch.as_tensor(only)
+    idx = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, generator=g) + 0.1
+    return idx.to(device), w.to(device)
+
+
+# ------------------------------------------------------------------------------------- prepare
+def test_w13_tile_permutation_is_plain_concat():
+    I = 256
+    p = moe.w13_tile_permutation(I)
+    assert sorted(p.tolist()) == list(range(2 * I))
+    tile = p[:256].view(2, 2, 64)  # [h, u, j]
+    assert torch.equal(tile[0, 0], torch.arange(64))                 # gate rows 0..63
+    assert torch.equal(tile[0, 1], I + torch.arange(64))             # up rows I..I+63 (plain concat)
+    assert torch.equal(tile[1, 0], 64 + torch.arange(64))
+    assert torch.equal(tile[1, 1], I + 64 + torch.arange(64))
+
+
+def test_prepare_layout_and_describe():
+    ck = make_weights(3, 256, 128)
+    W = prep(ck, "mxfp4")
+    assert W.w13.dtype == torch.uint8 and W.w13_scale.dtype == torch.uint8
+    assert tuple(W.g13.shape) == (3, 2) and tuple(W.g2.shape) == (3,)
+    assert torch.equal(W.w13[:, 64:128], ck["w13"][:, 128:192])  # tile 0: up rows follow gate 0..63
+    assert "moe_prepare_weights" in W.describe() and "w13_scale: uint8" in W.describe()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_swizzled_sf_round_trip_matches_linear(fmt):
+    ck = make_weights(2, 256, 128, fmt=fmt)
+    lin = prep(ck, fmt)
+    sw = dict(ck, w13_scale=swizzle_sf_128x4(ck["w13_scale"]), w2_scale=swizzle_sf_128x4(ck["w2_scale"]))
+    W = prep(sw, fmt, sf_layout="swizzled")
+    assert torch.equal(W.w13_scale, lin.w13_scale) and torch.equal(W.w2_scale, lin.w2_scale)
+    # every K group of the scales matters (seed 003: only k_group 0 was read)
+    ck2 = dict(ck, w13_scale=ck["w13_scale"].clone())
+    b = ck2["w13_scale"].view(torch.uint8)
+    b[0, 0, 3] = b[0, 0, 3] + 1  # bump scale group 3 of row 0
+    W2 = prep(ck2, fmt)
+    assert not torch.equal(W2.w13_scale, lin.w13_scale)
+
+
+def test_global_scale_shapes_enforced():
+    ck = make_weights(3, 256, 128, fmt="nvfp4")
+    with pytest.raises(LayoutError, match="w13_global"):
+        prep(dict(ck, w13_global=ck["w13_global"][:1]), "nvfp4")   # one scale for all experts
+    with pytest.raises(LayoutError, match="w13_global"):
+        prep(dict(ck, w13_global=ck["w13_global"][:, 0]), "nvfp4")  # no separate gate / up
+    with pytest.raises(LayoutError, match="global"):
+        prep(dict(ck, w2_global=None), "nvfp4")
+
+
+def test_raw_uint8_scales_rejected_and_byte_views_exact():
+    ck = make_weights(2, 256, 128, fmt="nvfp4")
+    with pytest.raises(LayoutError, match="view"):
+        prep(dict(ck, w13_scale=ck["w13_scale"].view(torch.uint8)), "nvfp4")
+    # byte 0x3F is E4M3 1.875 (seed 003: .to() made it 63.0)
+    s = ck["w13_scale"].clone()
+    s.view(torch.uint8)[:] = 0x3F
+    W = prep(dict(ck, w13_scale=s), "nvfp4")
+    assert int(W.w13_scale.unique().item()) == 0x3F
+    d = dequant_fp4_weight(W.w13[:1], W.w13_scale[:1], "nvfp4")
+    codes_ref = dequant_fp4_weight(W.w13[:1], torch.ones_like(W.w13_scale[:1], dtype=torch.float32).to(torch.float8_e4m3fn), "nvfp4")
+    assert torch.allclose(d, codes_ref * 1.875)
+
+
+# ------------------------------------------------------------------------------------- router
+def test_router_bias_only_for_selection_and_normalization():
+    torch.manual_seed(0)
+    T, D, E, k = 64, 128, 16, 6
+    x = torch.randn(T, D)
+    gw = torch.randn(E, D) * 0.2
+    bias = torch.zeros(E)
+    bias[3] = 100.0  # forces expert 3 into every selection
+    idx, w = moe.moe_route(x, gw, topk=k, route_scale=2.5, bias=bias)
+    assert idx.dtype == torch.int32 and w.dtype == torch.float32
+    assert bool((idx == 3).any(1).all())
+    s = torch.sqrt(torch.nn.functional.softplus(x @ gw.t()))
+    ws = s.gather(1, idx.long())
+    assert torch.allclose(w, ws / ws.sum(1, keepdim=True) * 2.5, rtol=1e-5)   # unbiased scores
+    assert torch.allclose(w.sum(1), torch.full((T,), 2.5), rtol=1e-5)
+
+
+def test_router_hash_layer():
+    T, D, E, k, V = 10, 64, 12, 6, 50
+    tid2eid = torch.stack([torch.randperm(E)[:k] for _ in range(V)]).to(torch.int32)
+    ids = torch.randint(0, V, (T,))
+    x, gw = torch.randn(T, D), torch.randn(E, D)
+    idx, w = moe.moe_route(x, gw, topk=k, route_scale=1.5, input_ids=ids, tid2eid=tid2eid)
+    assert torch.equal(idx, tid2eid[ids])
+    assert torch.allclose(w.sum(1), torch.full((T,), 1.5), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- layer (torch providers)
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("act", ["fp8", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_pipeline_matches_reference_cpu(fmt, act, layout):
+    E, D, I, T, k = 7, 256, 256, 41, 3   # odd expert count
+    ck = make_weights(E, D, I, fmt=fmt, gscale_spread=2.0)
+    W = prep(ck, fmt)
+    x = make_x(T, D)
+    idx, w = random_routing(T, E, k, only=[0, 2, 3, 5, 6])  # experts 1 and 4 get zero tokens
+    out = moe.moe_experts(x, idx, w, W, act=act, layout=layout, max_m=T)
+    ref = ref_out(x, ck, fmt, act, idx, w)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_per_expert_global_scales_matter():
+    """Scales differing by orders of magnitude; applying one expert's scale to all is caught."""
+    E, D, I, T, k = 5, 256, 128, 30, 2
+    ck = make_weights(E, D, I, fmt="nvfp4", gscale_spread=3.0)
+    x = make_x(T, D)
+    idx, w = random_routing(T, E, k)
+    ref = ref_out(x, ck, "nvfp4", "bf16", idx, w)
+    out = moe.moe_experts(x, idx, w, prep(ck, "nvfp4"), act="bf16")
+    assert _rel(out, ref) < 1e-5
+    bad = dict(ck, w13_global=ck["w13_global"][:1].expand(E, 2).contiguous(),
+               w2_global=ck["w2_global"][:1].expand(E).contiguous())
+    assert _rel(moe.moe_experts(x, idx, w, prep(bad, "nvfp4"), act="bf16"), ref) > 0.1
+
+
+def test_gate_up_order_matters():
+    E, D, I, T, k = 3, 256, 128, 20, 2
+    ck = make_weights(E, D, I)
+    x = make_x(T, D)
+    idx, w = random_routing(T, E, k)
+    ref = ref_out(x, ck, "mxfp4", "fp8", idx, w)
+    swapped = dict(ck, w13=torch.cat([ck["w13"][:, I:], ck["w13"][:, :I]], 1),
+                   w13_scale=torch.cat([ck["w13_scale"][:, I:], ck["w13_scale"][:, :I]], 1))
+    assert _rel(ref_out(x, swapped, "mxfp4", "fp8", idx, w), ref) > 0.1
+    assert _rel(moe.moe_experts(x, idx, w, prep(ck, "mxfp4")), ref) < 1e-5
+    assert _rel(moe.moe_experts(x, idx, w, prep(swapped, "mxfp4")), ref) > 0.1
+
+
+def test_masked_drop_and_combine():
+    E, D, I, T, k = 4, 256, 128, 16, 2
+    ck = make_weights(E, D, I)
+    W = prep(ck, "mxfp4")
+    x = make_x(T, D)
+    idx = torch.zeros(T, k, dtype=torch.int32)
+    idx[:, 1] = 1  # experts 0 and 1 get T rows each, max_m = 5 keeps 5
+    w = torch.rand(T, k)
+    g = moe.moe_permute(x, idx, w, E, layout="masked", max_m=5)
+    assert g.row_count.tolist() == [5, 5, 0, 0]
+    assert int((g.pos >= 0).sum()) == 10
+    out = moe.moe_experts(x, idx, w, W, layout="masked", max_m=5)
+    assert torch.all(out[5:] == 0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(1, 24), E=st.integers(1, 9), k=st.integers(1, 4), layout=st.sampled_from(["contiguous", "masked"]),
+       seed=st.integers(0, 1000))
+def test_hypothesis_tokens_experts_topk(T, E, k, layout, seed):
+    k = min(k, E)
+    D, I = 256, 128
+    ck = _HYP_WEIGHTS[E]
+    x = make_x(T, D, seed=seed)
+    gw = torch.randn(E, D, generator=torch.Generator().manual_seed(seed)) * 0.1
+    idx, w = moe.moe_route(x, gw, topk=k, route_scale=1.5, bias=torch.randn(E) * 0.05)
+    assert idx.min() >= 0 and idx.max() < E and all(len(set(r)) == k for r in idx.tolist())
+    out = moe.moe_experts(x, idx, w, prep(ck, "mxfp4"), layout=layout, max_m=T)
+    ref = ref_out(x, ck, "mxfp4", "fp8", idx, w)
+    assert _rel(out, ref) < 1e-5
+
+
+_HYP_WEIGHTS = {E: make_weights(E, 256, 128, seed=E) for E in range(1, 10)}
+
+
+# ------------------------------------------------------------------------------------- compile checks
+@pytest.mark.parametrize("act", [0, 1])
+@pytest.mark.parametrize("fmt", [0, 1])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("sw", [0, 1])
+def test_kernel_compiles_with_wgmma(act, fmt, stage, sw):
+    pytest.importorskip("cuda.bindings")
+    from kernels_cuda.nvrtc import load
+    ptx = load("moe.cu", MOE_ACT=act, MOE_WFMT=fmt, MOE_STAGE=stage, MOE_SW128=sw).ptx()
+    assert "wgmma.mma_async" in ptx and ".entry moe_gemm_kernel_v2" in ptx and ".entry moe_gemm_kernel(" in ptx
+    assert ("e4m3.e4m3" in ptx) if act == 0 else ("bf16.bf16" in ptx)
+    assert "prmt.b32" in ptx and "cp.async.cg.shared.global" in ptx and "ld.global.nc.v4" in ptx
+    assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx  # no spills / local arrays
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.fixture(params=["v1", "v2", "v3"])
+def kver(request, monkeypatch):
+    monkeypatch.setenv("DSV4_MOE_KERNEL", request.param)
+    return request.param
+
+
+def _gpu_case(fmt, act, layout, E=33, D=2048, I=1024, T=2048, k=6, pow2_nvfp4=False, only=None, spread=2.0):
+    dev = "cuda"
+    ck = make_weights(E, D, I, fmt=fmt, gscale_spread=spread, device=dev, pow2_nvfp4=pow2_nvfp4)
+    W = prep(ck, fmt)
+    x = make_x(T, D, device=dev)
+    idx, w = random_routing(T, E, k, device=dev, only=only)
+    from dsv4.registry import use
+    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+        out = moe.moe_experts(x, idx, w, W, act=act, layout=layout, max_m=T)
+    ref = ref_out(x, ck, fmt, act, idx, w)
+    return out, ref, W, x, idx, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("act", ["fp8", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_gpu_layer_matches_reference(fmt, act, layout, kver):
+    pow2 = fmt == "nvfp4" and act == "fp8"  # W4A8 NVFP4 is exact for power-of-two block scales
+    out, ref, *_ = _gpu_case(fmt, act, layout, pow2_nvfp4=pow2, only=[e for e in range(33) if e % 5])
+    err = _rel(out, ref)
+    print(f"\n[moe gpu {kver}] {fmt} {act} {layout}: rel err {err:.3e}")
+    assert err < (1e-2 if act == "fp8" else 3e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4_general_scales_w4a8(kver):
+    """General (non power-of-two) E4M3 block scales under W4A8: the kernel matches the documented
+    E4M3 fold exactly (up to accumulation order); the fold itself costs accuracy (reported)."""
+    out, ref, W, x, idx, w = _gpu_case("nvfp4", "fp8", "contiguous", E=9, T=512)
+    ck = make_weights(9, 2048, 1024, fmt="nvfp4", gscale_spread=2.0, device="cuda")
+    fold = ref_out(x, ck, "nvfp4", "fp8", idx, w, kernel_fold=True)
+    print(f"\n[moe gpu {kver}] nvfp4 general scales W4A8: vs fold ref {_rel(out, fold):.3e}, vs exact {_rel(out, ref):.3e}")
+    assert _rel(out, fold) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["fp8", "bf16"])
+def test_gpu_gemm2_exact_given_h(act, kver):
+    """GEMM2 on the kernel's own h: only FP32 accumulation order differs from the oracle."""
+    dev = "cuda"
+    E, D, I, T, k = 17, 2048, 1024, 1024, 6
+    ck = make_weights(E, D, I, device=dev, gscale_spread=3.0)
+    W = prep(ck, "mxfp4")
+    x = make_x(T, D, device=dev)
+    idx, w = random_routing(T, E, k, device=dev)
+    g = moe.moe_permute(x, idx, w, E, act=act)
+    from dsv4.registry import use
+    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+        h, h_s = moe.moe_gemm1_swiglu(g, W)
+        y = moe.moe_gemm2(h, h_s, g, W)
+    with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
+        h_ref, h_s_ref = moe.moe_gemm1_swiglu(g, W)
+        y_ref = moe.moe_gemm2(h, h_s, g, W)
+    assert _rel(y, y_ref) < 1e-4
+    if act == "fp8":
+        hd = h.float() * h_s.repeat_interleave(128, 1)
+        hd_ref = h_ref.float() * h_s_ref.repeat_interleave(128, 1)
+        assert _rel(hd, hd_ref) < 1e-2
+        assert (h_s == h_s_ref).float().mean() > 0.99
+    else:
+        assert _rel(h, h_ref) < 3e-3
+
+
+@pytest.mark.gpu
+def test_gpu_decode_masked_flash_shape_and_graph(kver):
+    """Decode: 1-16 tokens per active expert at D=4096, I=2048, E=256; CUDA-graph capture."""
+    dev = "cuda"
+    E, D, I, k = 256, 4096, 2048, 6
+    ck = make_weights(8, D, I, device=dev)
+    # 256 experts sharing 8 distinct weight sets (keeps the test small); global scales differ
+    rep = lambda t: t.repeat(32, *([1] * (t.dim() - 1))) if t is not None else None
+    ck = {kk: rep(v) for kk, v in ck.items()}
+    ck["w13_global"] = (10.0 ** torch.linspace(-2, 2, E, device=dev)).view(E, 1).repeat(1, 2).contiguous()
+    ck["w2_global"] = (10.0 ** torch.linspace(2, -2, E, device=dev)).contiguous()
+    W = prep(ck, "mxfp4")
+    T = 16
+    x = make_x(T, D, device=dev)
+    idx, w = random_routing(T, E, k, device=dev, only=list(range(0, E, 7)))
+    from dsv4.registry import use
+    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+        out = moe.moe_experts(x, idx, w, W, layout="masked", max_m=16)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = moe.moe_experts(x, idx, w, W, layout="masked", max_m=16)
+        graph.replay()
+        torch.cuda.synchronize()
+    ref = ref_out(x, ck, "mxfp4", "fp8", idx, w)
+    assert _rel(out, ref) < 1e-2
+    assert torch.equal(out_g, out)
+
+
+def test_device_decode_emulation_exact_for_shifts_minus8_to_6():
+    """Bit-level emulation of moe.cuh e2m1_e4m3_lut + e2m1x8_to_e4m3x8 (prmt byte LUT + sign bits):
+    every E2M1 code times 2^d, d in [-8, 6], is reproduced exactly as E4M3."""
+    ml = pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    def e4m3(x):
+        return int(np.array(np.clip(x, -448, 448), dtype=np.float32).astype(ml.float8_e4m3fn).view(np.uint8))
+
+    def prmt(a, b, sel):
+        pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+        r = 0
+        for i in range(4):
+            s = (sel >> (4 * i)) & 0xF
+            byte = pool[s & 7]
+            if s & 8:
+                byte = 0xFF if byte & 0x80 else 0
+            r |= byte << (8 * i)
+        return r
+
+    levels = [0, .5, 1, 1.5, 2, 3, 4, 6]
+    rng = np.random.default_rng(0)
+    for d in range(-8, 7):
+        f = 2.0 ** d
+        la = e4m3(0) | (e4m3(.5 * f) << 8) | (e4m3(f) << 16) | (e4m3(1.5 * f) << 24)
+        lb = e4m3(2 * f) | (e4m3(3 * f) << 8) | (e4m3(4 * f) << 16) | (e4m3(6 * f) << 24)
+        for w in [0x01234567, 0x89ABCDEF, 0xFFFFFFFF] + [int(v) for v in rng.integers(0, 2 ** 32, 50)]:
+            idx, s = w & 0x77777777, w & 0x88888888
+            o0 = prmt(la, lb, idx & 0xFFFF) | ((s << 4) & 0x80) | ((s << 8) & 0x8000) | ((s << 12) & 0x800000) | ((s << 16) & 0x80000000)
+            o1 = prmt(la, lb, idx >> 16) | ((s >> 12) & 0x80) | ((s >> 8) & 0x8000) | ((s >> 4) & 0x800000) | (s & 0x80000000)
+            got = np.array([(o0 >> (8 * i)) & 0xFF for i in range(4)] + [(o1 >> (8 * i)) & 0xFF for i in range(4)],
+                           dtype=np.uint8).view(ml.float8_e4m3fn).astype(np.float32)
+            want = np.array([(-1 if (w >> (4 * i)) & 8 else 1) * levels[(w >> (4 * i)) & 7] * f for i in range(8)],
+                            dtype=np.float32)
+            assert np.array_equal(got, want), (d, hex(w))
+            # v2 sign path: prmt byte duplication [b0 b0 b1 b1] / [b2 b2 b3 b3]
+            u0, u1 = prmt(w, 0, 0x1100), prmt(w, 0, 0x3322)
+            p0 = prmt(la, lb, idx & 0xFFFF) | (((((u0 << 4) & 0x00FF00FF) | (u0 & 0xFF00FF00))) & 0x80808080)
+            p1 = prmt(la, lb, idx >> 16) | (((((u1 << 4) & 0x00FF00FF) | (u1 & 0xFF00FF00))) & 0x80808080)
+            assert (p0 & 0xFFFFFFFF, p1 & 0xFFFFFFFF) == (o0 & 0xFFFFFFFF, o1 & 0xFFFFFFFF), (d, hex(w))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_w4a8_fold_exact_for_mxfp4_and_pow2_nvfp4(fmt):
+    from dsv4.reference.moe import fold_fp4_weight_w4a8
+    ck = make_weights(2, 256, 128, fmt=fmt, pow2_nvfp4=True)
+    exact = dequant_fp4_weight(ck["w13"], ck["w13_scale"], fmt)
+    assert torch.equal(fold_fp4_weight_w4a8(ck["w13"], ck["w13_scale"], fmt), exact)
+    # a 128-block spanning > 14 binades flushes its smallest group (documented)
+    if fmt == "mxfp4":
+        s = ck["w13_scale"].clone()
+        s.view(torch.uint8)[0, 0, 0] = 100
+        s.view(torch.uint8)[0, 0, 1] = 120
+        f = fold_fp4_weight_w4a8(ck["w13"], s, fmt)
+        assert torch.all(f[0, 0, :32] == 0) and torch.equal(f[0, 0, 32:], dequant_fp4_weight(ck["w13"], s, fmt)[0, 0, 32:])
