@@ -264,6 +264,9 @@ def launch(kernel: Any, grid: Iterable[int] | int, block: Iterable[int] | int, *
     ``args``: torch tensors (passed as device pointers), numpy scalars (explicit widths), or
     objects accepted by cuda.core (e.g. a TensorMapDescriptor). Bare Python ints/floats are
     rejected so that every scalar's width is explicit.
+
+    ``cluster``: thread-block cluster shape. NOTE: with a cluster, cuda.core reads ``grid`` as
+    the number of *clusters*, not blocks (total blocks = grid * cluster).
     """
     import torch
     from cuda.core import LaunchConfig, launch as _launch

@@ -1,0 +1,154 @@
+"""Top-k selection of fp32 indexer logits per row (DSA / CSA indexer -> sparse attention).
+
+Exact and deterministic: the selected set and its order are a function of the data only
+(score descending, ties by lower index), identical for every provider and launch
+configuration. Supports decode rows ``[0, lengths)``, prefill rows ``[starts, lengths)`` and a
+fused mapping of the selected positions through a paged-KV ``block_table``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layout import LayoutError, OpSpec, Param, TensorSpec
+from ..registry import Op, register
+from ..target import Target
+
+K_MAX = 2048
+
+SPEC = OpSpec(
+    name="topk",
+    summary="Exact, deterministic per-row top-k of fp32 logits over [starts, lengths), sorted by score desc "
+            "(ties: lower index), optional block_table mapping to physical KV slots.",
+    inputs=(
+        TensorSpec("logits", torch.float32, ("rows", "stride"), major="inner", align=4,
+                   doc="scores; row r is valid on [starts[r], lengths[r]) (decode: [0, lengths[r])); "
+                       "row stride in memory may exceed `stride` (views), last dim must be unit-stride"),
+        TensorSpec("lengths", torch.int32, ("rows",), align=4,
+                   doc="end of each row's valid range (exclusive). Clamped ON DEVICE to [0, stride] "
+                       "(no host sync): lengths > stride behave as stride, lengths < 0 as 0"),
+        TensorSpec("starts", torch.int32, ("rows",), align=4, optional=True,
+                   doc="prefill: start of each row's valid range (inclusive); clamped on device to "
+                       "[0, end]. None = 0"),
+        TensorSpec("block_table", torch.int32, ("B", "max_blocks"), major="inner", align=4, optional=True,
+                   doc="paged KV: logical block -> physical block, row r uses block_table[r // rows_per_seq]"),
+    ),
+    outputs=(
+        TensorSpec("indices", torch.int32, ("rows", "k"), output=True,
+                   doc="selected positions (absolute within the row, not relative to starts), or physical "
+                       "slot ids block_table[r // rows_per_seq, p // block_size] * block_size + p % block_size "
+                       "if block_table is given; -1 = padding (stays -1 after mapping)"),
+        TensorSpec("scores", torch.float32, ("rows", "k"), output=True,
+                   doc="the selected logits (exact bits), -inf for padding (return_scores=True)"),
+    ),
+    params=(
+        Param("k", "int", "1..2048", "entries kept per row (512 / 1024 tuned)"),
+        Param("block_size", "int", ">= 1 with block_table", "tokens per KV block"),
+        Param("rows_per_seq", "int", ">= 1", "logit rows per block_table row (decode: next_n; prefill: tokens)"),
+        Param("return_scores", "bool", "{False, True}", "also return the selected scores"),
+    ),
+    constraints=(
+        ("B * rows_per_seq == rows", "block_table must have rows / rows_per_seq rows (one per sequence)"),
+        ("max_blocks * block_size >= stride", "block_table must cover every position < stride"),
+    ),
+    formula="selectable(r, p) = clamp(starts[r], 0, end) <= p < end = clamp(lengths[r], 0, stride) and "
+            "logits[r, p] is not NaN and != -inf; output = the k selectable p with the largest "
+            "(logits[r, p], -p) in lexicographic order (-0.0 == +0.0), sorted descending; padding (-1, -inf)",
+    source="DSV4 lightning-indexer top-k (dsv4_spec.md), DSA decode/prefill index selection (vLLM persistent_topk, "
+           "FlashInfer top_k_page_table_transform semantics); exact ties by lower index (issue 5)",
+    notes="Bitwise identical across runs and launch configurations. +inf is selectable. Rows with fewer "
+          "than k selectable entries are padded at the end. No host sync: lengths/starts are clamped on "
+          "the device, never checked on the host.",
+)
+
+
+def _example(target: Target) -> dict:
+    return {"k": 512, "prefill": False, "mapped": False, "device": target.device_type}
+
+
+OP = register(Op("topk", SPEC, example_problem=_example))
+
+
+@torch.library.custom_op("dsv4::topk", mutates_args=())
+def _topk_op(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Optional[torch.Tensor],
+             block_table: Optional[torch.Tensor], block_size: int,
+             rows_per_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = {"k": k, "prefill": starts is not None, "mapped": block_table is not None,
+               "device": logits.device.type}
+    return OP.dispatch(problem, Target.of(logits.device), logits=logits, lengths=lengths, k=k, starts=starts,
+                       block_table=block_table, block_size=block_size, rows_per_seq=rows_per_seq)
+
+
+@_topk_op.register_fake
+def _(logits, lengths, k, starts, block_table, block_size, rows_per_seq):
+    rows = logits.shape[0]
+    return (logits.new_empty((rows, k), dtype=torch.int32), logits.new_empty((rows, k), dtype=torch.float32))
+
+
+def _check_int(name: str, v, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"topk: argument '{name}' must be an int, got {type(v).__name__}")
+    if v < lo or (hi is not None and v > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"topk: argument '{name}' must be in {rng}, got {v}")
+    return v
+
+
+def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: Optional[torch.Tensor] = None,
+         block_table: Optional[torch.Tensor] = None, block_size: int = 0, rows_per_seq: int = 1,
+         return_scores: bool = False):
+    """Exact per-row top-k of indexer logits.
+
+    Args:
+        logits: float32 ``[rows, stride]``, last dim unit-stride (row stride may be larger).
+        lengths: int32 ``[rows]``: end (exclusive) of each row's valid range. Clamped on the
+            device to ``[0, stride]`` (documented behaviour; there is no host check, which would
+            need a sync).
+        k: 1..2048 entries per row.
+        starts: optional int32 ``[rows]`` (prefill rows): start (inclusive) of the valid range,
+            clamped on the device to ``[0, end]``. Default: 0.
+        block_table: optional int32 ``[B, max_blocks]`` with ``B * rows_per_seq == rows`` and
+            ``max_blocks * block_size >= stride``: maps position ``p`` of row ``r`` to
+            ``block_table[r // rows_per_seq, p // block_size] * block_size + p % block_size``
+            in the same launch.
+        block_size: tokens per block (required, >= 1, with ``block_table``).
+        rows_per_seq: logit rows per ``block_table`` row (decode: ``next_n``).
+        return_scores: also return the selected scores.
+
+    Returns:
+        ``indices`` int32 ``[rows, k]`` (and ``scores`` float32 ``[rows, k]``): the selectable
+        positions (not NaN, not -inf, inside the range) with the largest scores, sorted by score
+        descending, ties by lower index (-0.0 == +0.0); indices are absolute positions in the
+        row (or physical slots when mapped). Rows with fewer than ``k`` selectable entries are
+        padded with ``-1`` / ``-inf`` (``-1`` is never mapped). Bitwise identical across runs
+        and launch configurations.
+
+    Raises:
+        ValueError: ``k`` not an int in 1..2048, ``block_size`` / ``rows_per_seq`` out of range.
+        LayoutError: an argument does not match ``docs/layouts/topk.md`` (dtype, shape, unit
+            stride, device), or block_table's shape does not fit ``rows`` / ``stride``.
+
+    Source: DSV4 lightning indexer top-k selection (dsv4_spec.md); semantics of issue 5.
+    """
+    _check_int("k", k, 1, K_MAX)
+    _check_int("rows_per_seq", rows_per_seq, 1)
+    _check_int("block_size", block_size, 0)
+    if block_table is not None and block_size < 1:
+        raise ValueError(f"topk: argument 'block_size' must be >= 1 when block_table is given, got {block_size}")
+    if block_table is None and block_size != 0:
+        raise ValueError("topk: argument 'block_size' is only meaningful with block_table (got "
+                         f"block_size={block_size} and block_table=None)")
+    if not isinstance(return_scores, bool):
+        raise ValueError(f"topk: argument 'return_scores' must be a bool, got {type(return_scores).__name__}")
+    SPEC.validate({"logits": logits, "lengths": lengths, "starts": starts, "block_table": block_table},
+                  symbols={"block_size": block_size, "rows_per_seq": rows_per_seq})
+    if logits.shape[0] == 0:
+        idx = torch.empty((0, k), dtype=torch.int32, device=logits.device)
+        sc = torch.empty((0, k), dtype=torch.float32, device=logits.device)
+        return (idx, sc) if return_scores else idx
+    idx, sc = torch.ops.dsv4.topk(logits, lengths, k, starts, block_table, block_size, rows_per_seq)
+    return (idx, sc) if return_scores else idx
+
+
+__all__ = ["topk"]

@@ -1,0 +1,675 @@
+// topk: exact, deterministic top-k of fp32 indexer logits per row (radix select + bitonic sort).
+// Contract: docs/layouts/topk.md (dsv4/ops/topk.py). Per row r the valid range is [lo, hi) with
+//   hi = clamp(lengths[r], 0, ncols), lo = clamp(starts[r], 0, hi) (lo = 0 without starts).
+// Selectable = in range, not NaN, not -inf. Output: the k best by (score desc, index asc), sorted,
+// padded with (-1, -inf); indices optionally mapped through block_table.
+//
+// Algorithm (one cluster of TOPK_CLUSTER CTAs per row, one launch for the batch):
+//   composite key  C(p) = key32(score) << 32 | (hi - 1 - p)      (unique per position)
+//   key32 = order-preserving uint32 of the fp32 bits (-0.0 canonicalized to +0.0), so
+//   "larger C" == "higher score, then lower index"; the selected set is {C >= C_k}, which is a
+//   property of the data only -> bitwise identical for any launch configuration.
+//   1. pass A (global): each CTA of the cluster histograms its contiguous slice of the row into
+//      2048 bins of a monotone bucket (top 11 bits of the order-preserving fp16 code: 32 bins
+//      per octave); the histograms are summed through DSMEM; a block scan finds the bin b0 that
+//      holds the k-th best.
+//   2. pass B (global, mostly L2): elements with bucket > b0 are appended to the leader CTA's
+//      selection buffer (DSMEM stores), elements of bin b0 to its candidate buffer (if they
+//      fit in TOPK_CAP; else the leader re-reads the row), with the AND/OR of their keys.
+//      TOPK_APPEND=0: warp-aggregated atomics on the leader's counter (measured: the counter
+//      serializes, 10-30 us per launch); TOPK_APPEND=1: block-wide scan compaction, one atomic
+//      per CTA per tile.
+//   3. leader: radix refinement of the candidates over C, 11-bit digits from the highest bit
+//      where candidates differ, until the k-th composite is pinned; ties at equal score are
+//      resolved by the index bits of C (lower index wins), exactly.
+//   4. leader: bitonic sort of the k selected composites (descending) in smem, register/shuffle
+//      stages for strides < 64; scores rebuilt from key32 (+-0.0 re-read for the exact sign);
+//      map through block_table; write.
+// Memory: with TOPK_VEC=1 a CTA may read the rest of the aligned 16-byte chunk that holds a
+// row's first / last valid element (never crosses a 16 B boundary, so never faults); those
+// lanes are masked out. No other out-of-range access: lengths/starts are clamped on device.
+// Barrier rule (seed 002): every loop that contains __syncthreads / cluster barriers / full-warp
+// votes has a block-uniform trip count; element predicates are data, never control flow around
+// a barrier.
+//
+// Macros: TOPK_THREADS (256/512/1024), TOPK_CLUSTER (1/2/4/8 CTAs per row), TOPK_CAP (candidate
+// buffer entries), TOPK_VEC (1: 16-byte loads, needs 16 B aligned rows; 0: scalar loads),
+// TOPK_APPEND (1: block-wide compaction, one atomic per CTA per tile; 0: warp-aggregated
+// atomics per slot -- simpler, but the shared counter serializes under load).
+#include "common.cuh"
+
+#ifndef TOPK_THREADS
+#define TOPK_THREADS 512
+#endif
+#ifndef TOPK_CLUSTER
+#define TOPK_CLUSTER 1
+#endif
+#ifndef TOPK_CAP
+#define TOPK_CAP 8192
+#endif
+#ifndef TOPK_VEC
+#define TOPK_VEC 1
+#endif
+#ifndef TOPK_APPEND
+#define TOPK_APPEND 0
+#endif
+
+#define TOPK_KMAX 2048
+#define TOPK_NBINS 2048
+#define TOPK_NWARPS (TOPK_THREADS / 32)
+#define TOPK_BPT (TOPK_NBINS / TOPK_THREADS)
+#define TOPK_MINB ((TOPK_THREADS >= 1024) ? 1 : (1024 / TOPK_THREADS))
+#define TOPK_UNROLL 4
+#define FULL 0xFFFFFFFFu
+
+static_assert(TOPK_NBINS % TOPK_THREADS == 0, "bins per thread must be integral");
+static_assert(TOPK_NWARPS <= 32, "at most 32 warps");
+
+struct TopkSmem {
+  u64 sel[TOPK_KMAX];     // selected composites (leader)
+  u64 cand[TOPK_CAP];     // candidates of the threshold bin (leader)
+  u32 hist[TOPK_NBINS];   // histogram (each CTA)
+  u32 scan[32];
+  u32 wa[32], wb[32];     // block_append2 warp offsets
+  u32 n_sel, n_cand, and_hi, or_hi, total, res_above, res_cnt;  // and/or: of b0 keys
+  int res_bin;
+};
+// host side reserves 8*KMAX + 8*CAP + 4*NBINS + 512 bytes
+static_assert(sizeof(TopkSmem) <= 8 * TOPK_KMAX + 8 * TOPK_CAP + 4 * TOPK_NBINS + 512, "smem layout");
+
+// ------------------------------------------------------------------------------------------
+// shared-memory address helpers; leader buffers are addressed in the shared::cluster window
+DSV4_DEVICE u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+DSV4_DEVICE u32 lanemask_lt() {
+  u32 m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+#if TOPK_CLUSTER > 1
+#define TOPK_SPACE "shared::cluster"
+DSV4_DEVICE u32 cl_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+DSV4_DEVICE u32 cl_map(u32 a, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+DSV4_DEVICE void cl_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+#else
+#define TOPK_SPACE "shared"
+DSV4_DEVICE u32 cl_rank() { return 0; }
+DSV4_DEVICE u32 cl_map(u32 a, u32) { return a; }
+DSV4_DEVICE void cl_sync() { __syncthreads(); }
+#endif
+
+DSV4_DEVICE u32 sp_ld(u32 a) {
+  u32 v;
+  asm volatile("ld." TOPK_SPACE ".u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+  return v;
+}
+DSV4_DEVICE void sp_st64(u32 a, u64 v) {
+  asm volatile("st." TOPK_SPACE ".u64 [%0], %1;" :: "r"(a), "l"(v) : "memory");
+}
+DSV4_DEVICE u32 sp_add(u32 a, u32 v) {
+  u32 old;
+  asm volatile("atom." TOPK_SPACE ".add.u32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
+  return old;
+}
+DSV4_DEVICE void sp_and(u32 a, u32 v) {
+  u32 old;
+  asm volatile("atom." TOPK_SPACE ".and.b32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
+}
+DSV4_DEVICE void sp_or(u32 a, u32 v) {
+  u32 old;
+  asm volatile("atom." TOPK_SPACE ".or.b32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
+}
+
+// ------------------------------------------------------------------------------------------
+// keys
+// fp32 bits -> (valid, key32, bucket). key32: order-preserving, -0.0 == +0.0; bucket: top 11
+// bits of the order-preserving fp16 code of the value (monotone non-decreasing in key32).
+DSV4_DEVICE void decode(u32 u, bool in_range, bool& valid, u32& key, u32& bucket) {
+  valid = in_range && ((u & 0x7FFFFFFFu) <= 0x7F800000u) && (u != 0xFF800000u);
+  u = (u == 0x80000000u) ? 0u : u;
+  key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(__uint_as_float(u)));
+  u32 hh = h;
+  hh = (hh & 0x8000u) ? (~hh & 0xFFFFu) : (hh | 0x8000u);
+  bucket = hh >> 5;
+}
+
+// one group of 4 consecutive positions 4g..4g+3 (all-NaN bits when the group is not ours)
+DSV4_DEVICE void load_group(const float* __restrict__ rowp, int g, bool mine, int lo, int hi, u32 w[4]) {
+#if TOPK_VEC
+  if (mine) {
+    const u32x4 v = ld_global_nc_v4(rowp + 4 * (i64)g);
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else {
+    w[0] = w[1] = w[2] = w[3] = 0xFFFFFFFFu;
+  }
+#else
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int p = 4 * g + j;
+    w[j] = (mine && p >= lo && p < hi) ? __float_as_uint(__ldg(rowp + p)) : 0xFFFFFFFFu;
+  }
+#endif
+}
+
+// Visit groups [glo, ghi) of the row, TOPK_UNROLL groups per thread in flight. f(key, pos,
+// bucket, valid) is called for every slot by every thread (block-uniform trip count), so f may
+// use full-warp votes.
+template <typename F>
+DSV4_DEVICE void scan_groups(const float* __restrict__ rowp, int glo, int ghi, int lo, int hi, F&& f) {
+  const int tid = threadIdx.x;
+  for (int g0 = glo; g0 < ghi; g0 += TOPK_THREADS * TOPK_UNROLL) {
+    u32 w[TOPK_UNROLL][4];
+#pragma unroll
+    for (int u = 0; u < TOPK_UNROLL; ++u) {
+      const int g = g0 + u * TOPK_THREADS + tid;
+      load_group(rowp, g, g < ghi, lo, hi, w[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < TOPK_UNROLL; ++u) {
+      const int g = g0 + u * TOPK_THREADS + tid;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int p = 4 * g + j;
+        bool valid;
+        u32 key, bucket;
+        decode(w[u][j], g < ghi && p >= lo && p < hi, valid, key, bucket);
+        f(key, p, bucket, valid);
+      }
+    }
+  }
+}
+
+template <int N>
+struct IC { static constexpr int value = N; };
+
+// Like scan_groups, but hands the whole tile to body(get); get(s, key, pos, bucket, valid)
+// decodes slot s (0 <= s < 4*TOPK_UNROLL; use compile-time s so w stays in registers).
+template <int U, typename F>
+DSV4_DEVICE void scan_groups_blk(const float* __restrict__ rowp, int glo, int ghi, int lo, int hi, F&& body) {
+  const int tid = threadIdx.x;
+  for (int g0 = glo; g0 < ghi; g0 += TOPK_THREADS * U) {  // block-uniform
+    u32 w[U][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int g = g0 + u * TOPK_THREADS + tid;
+      load_group(rowp, g, g < ghi, lo, hi, w[u]);
+    }
+    auto get = [&](int s, u32& key, int& p, u32& bucket, bool& valid) {
+      const int u = s >> 2, j = s & 3;
+      const int g = g0 + u * TOPK_THREADS + tid;
+      p = 4 * g + j;
+      decode(w[u][j], g < ghi && p >= lo && p < hi, valid, key, bucket);
+    };
+    body(get);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// warp-level helpers (call with the full warp)
+DSV4_DEVICE void hist_add(u32* hist, u32 bin, bool pred) {
+  const u32 lane = threadIdx.x & 31;
+  const u32 b0 = __shfl_sync(FULL, bin, 0);
+  if (__all_sync(FULL, pred && bin == b0)) {  // whole warp in one bin (ties, constant rows)
+    if (lane == 0) atomicAdd(&hist[b0], 32u);
+  } else if (pred) {
+    atomicAdd(&hist[bin], 1u);
+  }
+}
+
+// append v to the buffer at (space address) buf, slot counter at cnt, capacity cap
+DSV4_DEVICE void append(u32 buf, u32 cnt, u64 v, bool pred, u32 cap) {
+  const u32 m = __ballot_sync(FULL, pred);
+  if (m == 0u) return;
+  const u32 lane = threadIdx.x & 31;
+  const u32 src = __ffs(m) - 1;
+  u32 base = 0;
+  if (lane == src) base = sp_add(cnt, __popc(m));
+  base = __shfl_sync(FULL, base, src);
+  if (pred) {
+    const u32 slot = base + __popc(m & lanemask_lt());
+    if (slot < cap) sp_st64(buf + 8u * slot, v);
+  }
+}
+
+// Block-wide compaction into two streams without contended atomics. Every thread calls it
+// (contains barriers) with bitmasks fa / fb of its NS slots; val(s) gives slot s's value (only
+// called for flagged slots, compile-time s). One atomicAdd per CTA and stream reserves the
+// destination range [base, base + total) in the (possibly remote) buffer; inside, slots are
+// placed warp by warp, thread by thread (deterministic, though the sort makes order moot).
+template <int NS, typename V>
+DSV4_DEVICE void block_append2(TopkSmem& S, u32 fa, u32 fb, V&& val, u32 dstA, u32 cntA, u32 capA,
+                               u32 dstB, u32 cntB, u32 capB) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const u32 ca = __popc(fa), cb = __popc(fb);
+  u32 ia = ca, ib = cb;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 ya = __shfl_up_sync(FULL, ia, o), yb = __shfl_up_sync(FULL, ib, o);
+    if (lane >= o) { ia += ya; ib += yb; }
+  }
+  if (lane == 31) { S.wa[warp] = ia; S.wb[warp] = ib; }
+  __syncthreads();
+  if (warp == 0) {
+    const u32 xa = (lane < TOPK_NWARPS) ? S.wa[lane] : 0u, xb = (lane < TOPK_NWARPS) ? S.wb[lane] : 0u;
+    u32 ja = xa, jb = xb;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u32 ya = __shfl_up_sync(FULL, ja, o), yb = __shfl_up_sync(FULL, jb, o);
+      if (lane >= o) { ja += ya; jb += yb; }
+    }
+    const u32 ta = __shfl_sync(FULL, ja, 31), tb = __shfl_sync(FULL, jb, 31);
+    u32 ba = 0u, bb = 0u;
+    if (lane == 0) {
+      if (ta) ba = sp_add(cntA, ta);
+      if (tb) bb = sp_add(cntB, tb);
+    }
+    ba = __shfl_sync(FULL, ba, 0);
+    bb = __shfl_sync(FULL, bb, 0);
+    if (lane < TOPK_NWARPS) { S.wa[lane] = ba + ja - xa; S.wb[lane] = bb + jb - xb; }
+  }
+  __syncthreads();
+  u32 oa = S.wa[warp] + ia - ca, ob = S.wb[warp] + ib - cb;
+  if (fa | fb) {  // per thread; no collectives below
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      const bool a = (fa >> s) & 1u, b = (fb >> s) & 1u;
+      if (a || b) {
+        const u64 v = val(s);
+        if (a) { if (oa < capA) sp_st64(dstA + 8u * oa, v); ++oa; }
+        if (b) { if (ob < capB) sp_st64(dstB + 8u * ob, v); ++ob; }
+      }
+    }
+  }
+  // no trailing barrier: S.wa[warp] is re-written only by this warp, and warp 0 reads the
+  // array again only after the next call's first barrier.
+}
+
+DSV4_DEVICE u64 shfl_xor64(u64 v, int m) {
+  const u32 lo = __shfl_xor_sync(FULL, (u32)v, m);
+  const u32 hi = __shfl_xor_sync(FULL, (u32)(v >> 32), m);
+  return ((u64)hi << 32) | lo;
+}
+
+// ------------------------------------------------------------------------------------------
+// Block-wide: c[j] = count of bin (NBINS-1 - (tid*BPT + j)) (bins visited from the top).
+// Finds the bin d with above(d) < need <= above(d) + count(d); S.res_bin = -1 if the total is
+// < need. Results in S.res_*, S.total. Contains barriers: call from block-uniform code.
+DSV4_DEVICE void select_bin(TopkSmem& S, const u32 (&c)[TOPK_BPT], u32 need) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  u32 sum = 0;
+#pragma unroll
+  for (int j = 0; j < TOPK_BPT; ++j) sum += c[j];
+  u32 incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 y = __shfl_up_sync(FULL, incl, o);
+    if (lane >= o) incl += y;
+  }
+  __syncthreads();  // previous readers of S.scan / S.res_* are done
+  if (lane == 31) S.scan[warp] = incl;
+  if (tid == 0) S.res_bin = -1;
+  __syncthreads();
+  if (warp == 0) {
+    const u32 wv = (lane < TOPK_NWARPS) ? S.scan[lane] : 0u;
+    u32 wi = wv;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u32 y = __shfl_up_sync(FULL, wi, o);
+      if (lane >= o) wi += y;
+    }
+    __syncwarp();
+    if (lane < TOPK_NWARPS) S.scan[lane] = wi - wv;
+    if (lane == 31) S.total = wi;
+  }
+  __syncthreads();
+  u32 acc = S.scan[warp] + incl - sum;
+#pragma unroll
+  for (int j = 0; j < TOPK_BPT; ++j) {
+    if (acc < need && acc + c[j] >= need) {
+      S.res_bin = TOPK_NBINS - 1 - (tid * TOPK_BPT + j);
+      S.res_above = acc;
+      S.res_cnt = c[j];
+    }
+    acc += c[j];
+  }
+  __syncthreads();
+}
+
+DSV4_DEVICE void load_local_bins(const TopkSmem& S, u32 (&c)[TOPK_BPT]) {
+#pragma unroll
+  for (int j = 0; j < TOPK_BPT; ++j) c[j] = S.hist[TOPK_NBINS - 1 - (threadIdx.x * TOPK_BPT + j)];
+}
+
+// ------------------------------------------------------------------------------------------
+// bitonic sort (descending) of s[0, P), P a power of two >= 64; strides < 64 in registers.
+DSV4_DEVICE void bitonic_regs(u64* s, int size_from, int size_to, int P) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int c = warp; c < P / 64; c += TOPK_NWARPS) {  // warp-uniform
+    const int p0 = c * 64 + lane, p1 = p0 + 32;
+    u64 x0 = s[p0], x1 = s[p1];
+    for (int size = size_from; size <= size_to; size <<= 1) {
+      for (int st = (size >> 1) < 32 ? (size >> 1) : 32; st > 0; st >>= 1) {
+        if (st == 32) {
+          const bool desc = (p0 & size) == 0;
+          const u64 mx = x0 > x1 ? x0 : x1, mn = x0 > x1 ? x1 : x0;
+          x0 = desc ? mx : mn;
+          x1 = desc ? mn : mx;
+        } else {
+          const u64 y0 = shfl_xor64(x0, st), y1 = shfl_xor64(x1, st);
+          const bool lower = (lane & st) == 0;
+          const bool d0 = (p0 & size) == 0, d1 = (p1 & size) == 0;
+          x0 = (lower == d0) ? (x0 > y0 ? x0 : y0) : (x0 > y0 ? y0 : x0);
+          x1 = (lower == d1) ? (x1 > y1 ? x1 : y1) : (x1 > y1 ? y1 : x1);
+        }
+      }
+    }
+    s[p0] = x0;
+    s[p1] = x1;
+  }
+}
+
+DSV4_DEVICE void bitonic_sort_desc(u64* s, int P) {
+  bitonic_regs(s, 2, P < 64 ? P : 64, P);
+  __syncthreads();
+  for (int size = 128; size <= P; size <<= 1) {  // block-uniform
+    for (int st = size >> 1; st >= 64; st >>= 1) {
+      for (int i = threadIdx.x; i < P / 2; i += TOPK_THREADS) {  // no barrier inside
+        const int pos = 2 * i - (i & (st - 1));
+        const int q = pos + st;
+        const u64 a = s[pos], b = s[q];
+        const bool desc = (pos & size) == 0;
+        if ((a < b) == desc) {
+          s[pos] = b;
+          s[q] = a;
+        }
+      }
+      __syncthreads();
+    }
+    bitonic_regs(s, size, size, P);
+    __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kernel(
+    const float* __restrict__ logits,      // [rows, >= ncols], row stride row_stride (elements)
+    i64 row_stride, i32 ncols,
+    const i32* __restrict__ lengths,       // [rows] end of the valid range (clamped to [0, ncols])
+    const i32* __restrict__ starts,        // [rows] start of the valid range, or unused
+    i32 has_starts,
+    const i32* __restrict__ block_table,   // [B, max_blocks] or unused
+    i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt,
+    i32 k,                                 // 1..2048
+    i32 rows,
+    i32* __restrict__ out_idx,             // [rows, k]
+    float* __restrict__ out_score) {       // [rows, k]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  TopkSmem& S = *reinterpret_cast<TopkSmem*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31;
+  const i64 row = blockIdx.x / TOPK_CLUSTER;
+  const u32 rank = cl_rank();
+  if (row >= rows) return;  // cluster-uniform (whole clusters only): harmless over-launch guard
+
+  int hi = lengths[row];
+  hi = hi < 0 ? 0 : (hi > ncols ? ncols : hi);
+  int lo = has_starts ? starts[row] : 0;
+  lo = lo < 0 ? 0 : (lo > hi ? hi : lo);
+  const float* __restrict__ rowp = logits + row * row_stride;
+  const u32 kk0 = (u32)k;
+
+  // this CTA's slice of the row, in groups of 4 positions
+  const int g_lo = lo >> 2, g_hi = (hi + 3) >> 2, ng = g_hi - g_lo;
+  const int per = (ng + TOPK_CLUSTER - 1) / TOPK_CLUSTER;
+  const int my_lo = g_lo + min((int)rank * per, ng);
+  const int my_hi = g_lo + min((int)rank * per + per, ng);
+
+  for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
+  if (tid == 0) {
+    S.n_sel = 0u; S.n_cand = 0u;
+    S.and_hi = 0xFFFFFFFFu;
+    S.or_hi = 0u;
+  }
+  __syncthreads();
+
+  // ---- pass A: bucket histogram of this slice
+  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid) {
+    hist_add(S.hist, bucket, valid);
+  });
+  cl_sync();  // histograms complete (and leader counters initialized) cluster-wide
+
+  // ---- merged histogram -> bin b0 of the k-th best
+  u32 c[TOPK_BPT];
+  {
+    const u32 hbase = smem_u32(S.hist);
+#pragma unroll
+    for (int j = 0; j < TOPK_BPT; ++j) {
+      const u32 bin = TOPK_NBINS - 1 - (tid * TOPK_BPT + j);
+      u32 s = 0;
+#pragma unroll
+      for (int r = 0; r < TOPK_CLUSTER; ++r) s += sp_ld(cl_map(hbase + 4u * bin, (u32)r));
+      c[j] = s;
+    }
+  }
+  select_bin(S, c, kk0);
+  const int b0 = S.res_bin;          // -1: fewer than k selectable -> take all
+  const u32 above0 = S.res_above, cnt0 = S.res_cnt;
+  const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
+  const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
+
+  // ---- pass B: append the sure winners and the b0 candidates to the leader
+  const u32 L_sel = cl_map(smem_u32(S.sel), 0), L_cand = cl_map(smem_u32(S.cand), 0);
+  const u32 L_nsel = cl_map(smem_u32(&S.n_sel), 0), L_ncand = cl_map(smem_u32(&S.n_cand), 0);
+  u32 a_and = 0xFFFFFFFFu, a_or = 0u;  // AND / OR of the b0 candidates' key32
+#if TOPK_APPEND
+  scan_groups_blk<TOPK_UNROLL>(rowp, my_lo, my_hi, lo, hi, [&](auto&& get) {
+    u32 fa = 0u, fb = 0u;
+#pragma unroll
+    for (int s = 0; s < 4 * TOPK_UNROLL; ++s) {
+      u32 key, bucket;
+      int p;
+      bool valid;
+      get(s, key, p, bucket, valid);
+      const int bk = (int)bucket;
+      if (valid && (bk > b0 || (all_b0 && bk == b0))) fa |= 1u << s;
+      if (valid && !all_b0 && bk == b0) {
+        a_and &= key;
+        a_or |= key;
+        if (store_cand) fb |= 1u << s;
+      }
+    }
+    block_append2<4 * TOPK_UNROLL>(S, fa, fb, [&](int s) {
+      u32 key, bucket;
+      int p;
+      bool valid;
+      get(s, key, p, bucket, valid);
+      return ((u64)key << 32) | (u32)(hi - 1 - p);
+    }, L_sel, L_nsel, TOPK_KMAX, L_cand, L_ncand, TOPK_CAP);
+  });
+#else
+  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
+    const int bk = (int)bucket;
+    const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
+    const bool to_cand = valid && !all_b0 && bk == b0;
+    if (!__any_sync(FULL, to_sel || to_cand)) return;  // common case: nothing here
+    const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
+    append(L_sel, L_nsel, comp, to_sel, TOPK_KMAX);
+    if (store_cand) append(L_cand, L_ncand, comp, to_cand, TOPK_CAP);
+    if (to_cand) {
+      a_and &= key;
+      a_or |= key;
+    }
+  });
+#endif
+  if (!all_b0) {  // block-uniform
+    const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
+    if (lane == 0) {
+      sp_and(cl_map(smem_u32(&S.and_hi), 0), ah);
+      sp_or(cl_map(smem_u32(&S.or_hi), 0), oh);
+    }
+  }
+  cl_sync();  // all appends visible at the leader; nobody reads a peer's smem after this
+  if (rank != 0) return;
+
+  // ---- leader: refine the threshold inside bin b0 (radix select over the composite key)
+  if (!all_b0) {
+    // candidates agree on every composite bit >= hib: key bits above the highest differing
+    // key bit; if all keys are equal (ties), the index part has < 32 - clz(hi - 1 - lo) bits.
+    const u32 kdiff = S.and_hi ^ S.or_hi;
+    int hib = kdiff ? 64 - __clz((int)kdiff) : 32 - __clz((int)(hi - 1 - lo));
+    u64 prefix = (hib >= 64) ? 0ull : ((((u64)S.and_hi) << 32) & (~0ull << hib));
+    u32 need = kk0 - above0;
+    const int n_c = store_cand ? (int)min(S.n_cand, (u32)TOPK_CAP) : 0;
+    const u32 L_sel_local = smem_u32(S.sel), L_nsel_local = smem_u32(&S.n_sel);
+#if TOPK_APPEND
+    // visit candidates tile by tile: body(IC<NS>, get), get(s, comp, pred); block-uniform trips
+    auto visit = [&](auto&& body) {
+      if (store_cand) {
+        for (int base = 0; base < n_c; base += TOPK_THREADS) {
+          const int i = base + tid;
+          const bool pr = i < n_c;
+          const u64 cv = pr ? S.cand[i] : 0ull;
+          body(IC<1>{}, [&](int, u64& c, bool& q) { c = cv; q = pr; });
+        }
+      } else {  // bin b0 overflowed the buffer: re-read the whole row, keep bucket == b0
+        scan_groups_blk<2>(rowp, g_lo, g_hi, lo, hi, [&](auto&& get) {  // unroll 2: register budget
+          body(IC<8>{}, [&](int s, u64& c, bool& q) {
+            u32 key, bucket;
+            int p;
+            bool valid;
+            get(s, key, p, bucket, valid);
+            c = ((u64)key << 32) | (u32)(hi - 1 - p);
+            q = valid && (int)bucket == b0;
+          });
+        });
+      }
+    };
+    for (int it = 0; it < 8; ++it) {  // block-uniform; terminates: composites are unique
+      const int sh = hib > 11 ? hib - 11 : 0;
+      const u32 dmask = (1u << (hib - sh)) - 1u;
+      const u64 pmask = (hib >= 64) ? 0ull : (~0ull << hib);
+      for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
+      __syncthreads();
+      visit([&](auto ns, auto&& get) {
+        constexpr int NS = decltype(ns)::value;
+#pragma unroll
+        for (int s = 0; s < NS; ++s) {
+          u64 cv;
+          bool pr;
+          get(s, cv, pr);
+          hist_add(S.hist, (u32)(cv >> sh) & dmask, pr && ((cv ^ prefix) & pmask) == 0ull);
+        }
+      });
+      __syncthreads();
+      load_local_bins(S, c);
+      select_bin(S, c, need);
+      const u32 d = (u32)S.res_bin, ab = S.res_above, cn = S.res_cnt;
+      const bool fin = (cn == need - ab);
+      visit([&](auto ns, auto&& get) {
+        constexpr int NS = decltype(ns)::value;
+        u32 fa = 0u;
+#pragma unroll
+        for (int s = 0; s < NS; ++s) {
+          u64 cv;
+          bool pr;
+          get(s, cv, pr);
+          const u32 dg = (u32)(cv >> sh) & dmask;
+          if (pr && ((cv ^ prefix) & pmask) == 0ull && (dg > d || (fin && dg == d))) fa |= 1u << s;
+        }
+        block_append2<NS>(S, fa, 0u, [&](int s) {
+          u64 cv;
+          bool pr;
+          get(s, cv, pr);
+          return cv;
+        }, L_sel_local, L_nsel_local, TOPK_KMAX, 0u, 0u, 0u);
+      });
+#else
+    // visit every candidate: f(comp, pred), block-uniform trip count
+    auto for_each_cand = [&](auto&& f) {
+      if (store_cand) {
+        for (int base = 0; base < n_c; base += TOPK_THREADS) {
+          const int i = base + tid;
+          const bool pr = i < n_c;
+          f(pr ? S.cand[i] : 0ull, pr);
+        }
+      } else {  // bin b0 overflowed the buffer: re-read the whole row, keep bucket == b0
+        scan_groups(rowp, g_lo, g_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
+          f(((u64)key << 32) | (u32)(hi - 1 - p), valid && (int)bucket == b0);
+        });
+      }
+    };
+    for (int it = 0; it < 8; ++it) {  // block-uniform; terminates: composites are unique
+      const int sh = hib > 11 ? hib - 11 : 0;
+      const u32 dmask = (1u << (hib - sh)) - 1u;
+      const u64 pmask = (hib >= 64) ? 0ull : (~0ull << hib);
+      for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
+      __syncthreads();
+      for_each_cand([&](u64 cv, bool pr) {
+        const bool m = pr && ((cv ^ prefix) & pmask) == 0ull;
+        hist_add(S.hist, (u32)(cv >> sh) & dmask, m);
+      });
+      __syncthreads();
+      load_local_bins(S, c);
+      select_bin(S, c, need);
+      const u32 d = (u32)S.res_bin, ab = S.res_above, cn = S.res_cnt;
+      const bool fin = (cn == need - ab);
+      for_each_cand([&](u64 cv, bool pr) {
+        const bool m = pr && ((cv ^ prefix) & pmask) == 0ull;
+        const u32 dg = (u32)(cv >> sh) & dmask;
+        append(L_sel_local, L_nsel_local, cv, m && (dg > d || (fin && dg == d)), TOPK_KMAX);
+      });
+#endif
+      need -= ab;
+      prefix |= (u64)d << sh;
+      hib = sh;
+      __syncthreads();
+      if (fin) break;
+    }
+  }
+  __syncthreads();
+
+  // ---- sort the selected composites (descending) and write
+  const int n_sel = (int)min(S.n_sel, kk0);
+  int P = 64;
+  while (P < k) P <<= 1;
+  for (int i = n_sel + tid; i < P; i += TOPK_THREADS) S.sel[i] = 0ull;  // 0 < any valid composite
+  __syncthreads();
+  bitonic_sort_desc(S.sel, P);
+
+  i32* __restrict__ oi = out_idx + row * (i64)k;
+  float* __restrict__ os = out_score + row * (i64)k;
+  const i32* __restrict__ bt = block_table + (has_bt ? (row / rows_per_seq) * bt_stride : 0);
+  for (int j = tid; j < k; j += TOPK_THREADS) {
+    i32 idx = -1;
+    float sc = __uint_as_float(0xFF800000u);
+    if (j < n_sel) {
+      const u64 cv = S.sel[j];
+      const int p = hi - 1 - (int)(u32)cv;
+      const u32 key = (u32)(cv >> 32);
+      const u32 u = (key & 0x80000000u) ? (key ^ 0x80000000u) : ~key;  // inverse of key32
+      sc = (u == 0u) ? __ldg(rowp + p) : __uint_as_float(u);           // +-0.0: exact bits from memory
+      idx = p;
+      if (has_bt) {
+        const int blk = p / block_size;
+        idx = __ldg(bt + blk) * block_size + (p - blk * block_size);
+      }
+    }
+    oi[j] = idx;
+    os[j] = sc;
+  }
+}

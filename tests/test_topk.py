@@ -1,0 +1,363 @@
+"""topk: reference vs an independent oracle (CPU), validation, NVRTC compile checks, and
+cuda provider == reference bitwise on the H200 (``-m gpu``)."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from dsv4.layout import LayoutError
+from dsv4.ops.topk import topk
+from dsv4.reference.topk import topk_ref
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# independent oracle: plain Python, explicit (-score, index) key over the selectable entries
+def oracle(logits, lengths, k, starts=None, block_table=None, block_size=0, rows_per_seq=1):
+    x = logits.tolist()
+    rows, n = logits.shape
+    out_i, out_s = [], []
+    for r in range(rows):
+        hi = min(max(int(lengths[r]), 0), n)
+        lo = 0 if starts is None else min(max(int(starts[r]), 0), hi)
+        cand = [(p, x[r][p]) for p in range(lo, hi) if not math.isnan(x[r][p]) and x[r][p] != NEG_INF]
+        cand.sort(key=lambda t: (-t[1], t[0]))
+        sel = cand[:k]
+        idx = [p for p, _ in sel] + [-1] * (k - len(sel))
+        sc = [v for _, v in sel] + [NEG_INF] * (k - len(sel))
+        if block_table is not None:
+            bt = block_table.tolist()
+            idx = [-1 if p < 0 else bt[r // rows_per_seq][p // block_size] * block_size + p % block_size
+                   for p in idx]
+        out_i.append(idx)
+        out_s.append(sc)
+    return torch.tensor(out_i, dtype=torch.int32).reshape(rows, k), torch.tensor(out_s, dtype=torch.float32).reshape(rows, k)
+
+
+def assert_same(got, want):
+    gi, gs = got
+    wi, ws = want
+    assert gi.dtype == torch.int32 and gs.dtype == torch.float32
+    assert torch.equal(gi.cpu(), wi.cpu()), f"indices differ:\n{gi}\n{wi}"
+    # bitwise (also -0.0 vs +0.0 and the -inf padding)
+    assert torch.equal(gs.cpu().view(torch.int32), ws.cpu().view(torch.int32)), f"scores differ:\n{gs}\n{ws}"
+
+
+def special_cases(gen: torch.Generator):
+    """(name, logits, lengths, starts, k) covering ties, constants, -inf, NaN, empty and short rows."""
+    cases = []
+    n = 300
+    r = torch.randn(6, n, generator=gen)
+    L = torch.tensor([n, 250, 17, 0, 1, 299], dtype=torch.int32)
+    cases.append(("random", r, L, None, 32))
+    tied = torch.randint(-3, 4, (5, n), generator=gen).float() * 0.5
+    cases.append(("tied", tied, torch.tensor([n, n, 100, 37, 3], dtype=torch.int32), None, 40))
+    cases.append(("constant", torch.full((3, n), 1.25), torch.tensor([n, 64, 7], dtype=torch.int32), None, 16))
+    neg = torch.full((3, n), NEG_INF)
+    neg[1, 10] = -1e30
+    neg[2, ::7] = 3.0
+    cases.append(("-inf filled", neg, torch.full((3,), n, dtype=torch.int32), None, 64))
+    nan = torch.randn(3, n, generator=gen)
+    nan[0, ::2] = float("nan")
+    nan[1] = float("nan")
+    nan[2, :5] = float("inf")
+    nan[2, 5:9] = float("nan")
+    cases.append(("nan / +inf", nan, torch.full((3,), n, dtype=torch.int32), None, 200))
+    zs = torch.tensor([[0.0, -0.0, 1e-45, -1e-45, 0.0, -0.0, 1e-40, -3.4e38, 3.4e38, 0.0]])
+    cases.append(("signed zeros / denormals", zs, torch.tensor([10], dtype=torch.int32), None, 10))
+    cases.append(("length 0", torch.randn(2, n, generator=gen), torch.zeros(2, dtype=torch.int32), None, 8))
+    cases.append(("length < k", torch.randn(3, n, generator=gen), torch.tensor([5, 1, 31], dtype=torch.int32), None, 32))
+    cases.append(("lengths clamp", torch.randn(2, 50, generator=gen), torch.tensor([1000, -4], dtype=torch.int32), None, 60))
+    cases.append(("k > stride", torch.randn(2, 20, generator=gen), torch.tensor([20, 13], dtype=torch.int32), None, 33))
+    pre = torch.randn(4, n, generator=gen)
+    cases.append(("prefill starts", pre, torch.tensor([n, 200, 50, 10], dtype=torch.int32),
+                  torch.tensor([0, 150, 60, -5], dtype=torch.int32), 24))
+    return cases
+
+
+@pytest.mark.parametrize("i", range(11))
+def test_reference_matches_oracle_cases(i):
+    name, x, L, S, k = special_cases(torch.Generator().manual_seed(0))[i]
+    assert_same(topk_ref(x, L, k, S), oracle(x, L, k, S))
+
+
+def test_reference_block_table():
+    g = torch.Generator().manual_seed(1)
+    B, nn, bs, n = 3, 2, 16, 200
+    x = torch.randn(B * nn, n, generator=g)
+    x[:, ::5] = x[:, 1::5][:, : x[:, ::5].shape[1]]  # ties
+    L = torch.tensor([200, 150, 33, 40, 0, 7], dtype=torch.int32)
+    bt = torch.randperm(64, generator=g)[: B * 13].reshape(B, 13).int()
+    assert_same(topk_ref(x, L, 50, None, bt, bs, nn), oracle(x, L, 50, None, bt, bs, nn))
+
+
+def test_public_op_cpu_dispatches_reference():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 1000, generator=g)
+    L = torch.tensor([1000, 999, 10, 0], dtype=torch.int32)
+    i, s = topk(x, L, 64, return_scores=True)
+    assert_same((i, s), oracle(x, L, 64))
+    assert torch.equal(topk(x, L, 64), i)
+
+
+@st.composite
+def problems(draw):
+    rows = draw(st.integers(1, 5))
+    stride = draw(st.integers(1, 160))
+    k = draw(st.integers(1, 70))
+    kind = draw(st.sampled_from(["randn", "ties", "specials"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        x = torch.randn(rows, stride, generator=g)
+    elif kind == "ties":
+        x = torch.randint(-2, 3, (rows, stride), generator=g).float()
+    else:
+        pool = torch.tensor([float("nan"), NEG_INF, float("inf"), 0.0, -0.0, 1.0, -1.0, 1e-42])
+        x = pool[torch.randint(0, len(pool), (rows, stride), generator=g)]
+    lengths = torch.tensor([draw(st.integers(-2, stride + 3)) for _ in range(rows)], dtype=torch.int32)
+    starts = None
+    if draw(st.booleans()):
+        starts = torch.tensor([draw(st.integers(-2, stride + 1)) for _ in range(rows)], dtype=torch.int32)
+    return x, lengths, starts, k
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_reference_hypothesis(p):
+    x, L, S, k = p
+    assert_same(topk_ref(x, L, k, S), oracle(x, L, k, S))
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+def _ok():
+    return torch.randn(4, 64), torch.full((4,), 64, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("k", [0, 2049, -1, True, 3.0])
+def test_validation_k(k):
+    x, L = _ok()
+    with pytest.raises(ValueError, match="'k'"):
+        topk(x, L, k)
+
+
+def test_validation_arguments():
+    x, L = _ok()
+    with pytest.raises(LayoutError, match="'logits'"):
+        topk(x.double(), L, 8)
+    with pytest.raises(LayoutError, match="'logits'"):
+        topk(x[0], L, 8)
+    with pytest.raises(LayoutError, match="'logits'"):
+        topk(torch.randn(64, 4).t(), L, 8)            # last dim not unit-stride
+    with pytest.raises(LayoutError, match="'lengths'"):
+        topk(x, L.long(), 8)
+    with pytest.raises(LayoutError, match="'lengths'"):
+        topk(x, L[:3], 8)
+    with pytest.raises(LayoutError, match="'starts'"):
+        topk(x, L, 8, starts=L[:2])
+    with pytest.raises(LayoutError, match="'starts'"):
+        topk(x, L, 8, starts=L.float())
+    bt = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'block_size'"):
+        topk(x, L, 8, block_table=bt)
+    with pytest.raises(ValueError, match="'block_size'"):
+        topk(x, L, 8, block_size=16)
+    with pytest.raises(ValueError, match="'rows_per_seq'"):
+        topk(x, L, 8, block_table=bt, block_size=16, rows_per_seq=0)
+    with pytest.raises(LayoutError, match="rows_per_seq"):
+        topk(x, L, 8, block_table=bt, block_size=16, rows_per_seq=1)   # 2 * 1 != 4 rows
+    with pytest.raises(LayoutError, match="cover"):
+        topk(x, L, 8, block_table=bt, block_size=8, rows_per_seq=2)    # 4 * 8 < 64
+    with pytest.raises(LayoutError, match="'block_table'"):
+        topk(x, L, 8, block_table=bt.long(), block_size=16, rows_per_seq=2)
+    with pytest.raises(ValueError, match="'return_scores'"):
+        topk(x, L, 8, return_scores=1)
+    # valid strided view (row stride > stride) is accepted
+    big = torch.randn(4, 100)
+    assert_same(topk(big[:, :64], L, 8, return_scores=True), oracle(big[:, :64], L, 8))
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(8, 128)
+        L = torch.empty(8, dtype=torch.int32)
+        i, s = torch.ops.dsv4.topk(x, L, 16, None, None, 0, 1)
+        assert i.shape == (8, 16) and i.dtype == torch.int32 and s.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC compile checks (no GPU needed)
+def _ptxas_log(mod) -> str:
+    from cuda.bindings import nvrtc
+    opts = mod.options() + ["--ptxas-options=-v"]
+    err, prog = nvrtc.nvrtcCreateProgram(mod.path.read_text().encode(), b"topk.cu", 0, [], [])
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.decode(errors="replace")
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log
+        return log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize("cluster,threads,vec,append", [(1, 512, 1, 1), (2, 512, 1, 1), (8, 1024, 0, 1), (4, 256, 1, 1),
+                                                        (2, 1024, 1, 0)])
+def test_compile_sm90a(cluster, threads, vec, append):
+    from kernels_cuda.nvrtc import load
+    from kernels_cuda.topk import CAP
+    mod = load("topk.cu", TOPK_CLUSTER=cluster, TOPK_THREADS=threads, TOPK_CAP=CAP, TOPK_VEC=vec, TOPK_APPEND=append)
+    ptx = mod.ptx()
+    assert ".entry topk_kernel" in ptx and ".target sm_90a" in ptx
+    assert "__local_depot" not in ptx, "local memory array in PTX"
+    assert ("ld.global.nc.v4.u32" in ptx) == bool(vec)
+    assert "cvt.rn.f16.f32" in ptx and "vote.sync" in ptx and "shfl.sync" in ptx
+    assert ("vote.sync.ballot" in ptx) == (append == 0)       # append=1 compacts by block scans
+    if cluster > 1:
+        assert "barrier.cluster.arrive" in ptx and "mapa.shared::cluster" in ptx
+        assert "atom.shared::cluster.add.u32" in ptx
+    log = _ptxas_log(mod)
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert m, log
+    assert m.groups() == ("0", "0", "0"), log
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert regs <= 64, log  # __launch_bounds__(threads, 1024 / threads): 2048 threads' worth of registers
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: cuda provider == reference, bitwise
+CONFIGS = [(1, 512), (2, 512), (4, 256), (8, 1024), (2, 1024), (1, 256), (1, 1024), (4, 1024), (8, 512), (4, 512)]
+
+
+def _cuda(x, L, k, S=None, bt=None, bs=0, rps=1, **cfg):
+    from kernels_cuda.topk import topk_cuda
+    out = topk_cuda(x, L, k, S, bt, bs, rps, **cfg)
+    torch.cuda.synchronize()
+    return out
+
+
+def _gpu_cases():
+    g = torch.Generator().manual_seed(0)
+    out = [(n, x.cuda(), L.cuda(), None if S is None else S.cuda(), k) for n, x, L, S, k in special_cases(g)]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_gpu_special_cases(cfg):
+    for name, x, L, S, k in _gpu_cases():
+        want = topk_ref(x, L, k, S)
+        got = _cuda(x, L, k, S, cluster=cfg[0], threads=cfg[1])
+        assert_same(got, want)
+
+
+def _realistic(rows, n, seed, kind="randn"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if kind == "randn":
+        x = torch.randn(rows, n, device="cuda", generator=g)
+        x[:, torch.randint(0, n, (64,), device="cuda", generator=g)] *= 30.0     # outlier columns
+    elif kind == "indexer":   # relu-sum style logits: >= 0, many exact zeros, narrow range
+        x = torch.relu(torch.randn(rows, n, 4, device="cuda", generator=g)).sum(-1) * 0.25
+    elif kind == "narrow":    # all in one fp16 bucket -> candidate-buffer overflow path
+        x = 1.0 + torch.rand(rows, n, device="cuda", generator=g) * 2.0 ** -12
+    elif kind == "ties":
+        x = torch.randint(0, 7, (rows, n), device="cuda", generator=g).float()
+    else:
+        x = torch.full((rows, n), 0.5, device="cuda")
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n,k", [(64, 65536, 512), (64, 131072, 1024), (1, 129280, 1024), (128, 8192, 512),
+                                      (16, 32768, 2048), (8, 8192, 1), (4, 5000, 777)])
+@pytest.mark.parametrize("kind", ["randn", "indexer", "narrow", "ties", "constant"])
+def test_gpu_benchmark_sizes(rows, n, k, kind):
+    x = _realistic(rows, n, rows * 7 + n, kind)
+    g = torch.Generator().manual_seed(n)
+    L = torch.randint(n // 2, n + 1, (rows,), generator=g).int().cuda()
+    L[0] = n
+    want = topk_ref(x, L, k)
+    got = _cuda(x, L, k)
+    assert_same(got, want)
+    if kind in ("randn", "ties"):
+        ref_vals = torch.topk(torch.where(torch.arange(n, device="cuda")[None] < L[:, None].long(), x,
+                                          torch.tensor(float("-inf"), device="cuda")), k, dim=1).values
+        assert torch.equal(got[1], ref_vals)
+
+
+@pytest.mark.gpu
+def test_gpu_determinism_runs_and_configs():
+    x = _realistic(64, 65536, 3, "ties")
+    L = torch.full((64,), 65536, dtype=torch.int32, device="cuda")
+    L[::3] = 40000
+    base = _cuda(x, L, 512)
+    for _ in range(10):
+        assert_same(_cuda(x, L, 512), base)
+    for c, t in CONFIGS:
+        for a in (0, 1):
+            assert_same(_cuda(x, L, 512, cluster=c, threads=t, append=a), base)
+    # scalar-load path on a misaligned view (row stride 65537, offset 1 element)
+    buf = torch.empty(64, 65537 + 3, device="cuda")
+    v = buf[:, 1:65537]
+    v.copy_(x)
+    assert_same(_cuda(v, L, 512), base)
+    assert_same(_cuda(v, L, 512, cluster=4, threads=1024), base)
+    # candidate-overflow path (bin b0 > TOPK_CAP: leader re-reads the row) under both schemes
+    xc = _realistic(8, 65536, 4, "narrow")
+    Lc = torch.full((8,), 65536, dtype=torch.int32, device="cuda")
+    want = topk_ref(xc, Lc, 1024)
+    for c, t in CONFIGS:
+        for a in (0, 1):
+            assert_same(_cuda(xc, Lc, 1024, cluster=c, threads=t, append=a), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [(1, 512), (4, 512)])
+def test_gpu_prefill_and_block_table(cfg):
+    g = torch.Generator().manual_seed(5)
+    B, nn, n, bs = 8, 4, 20000, 64
+    x = _realistic(B * nn, n, 11, "randn")
+    x[:, 1000:1100] = 7.0  # ties inside ranges
+    L = torch.randint(0, n + 1, (B * nn,), generator=g).int()
+    S = (L.float() * torch.rand(B * nn, generator=g)).int() - 3
+    L, S = L.cuda(), S.cuda()
+    mb = -(-n // bs)
+    bt = torch.stack([torch.randperm(4 * mb, generator=g)[:mb] for _ in range(B)]).int().cuda()
+    for k in (512, 2048, 100):
+        want = topk_ref(x, L, k, S, bt, bs, nn)
+        assert_same(_cuda(x, L, k, S, bt, bs, nn, cluster=cfg[0], threads=cfg[1]), want)
+        assert_same(_cuda(x, L, k, None, bt, bs, nn, cluster=cfg[0], threads=cfg[1]), topk_ref(x, L, k, None, bt, bs, nn))
+    # public op dispatches the cuda provider
+    from dsv4 import registry
+    with registry.use(topk="cuda"):
+        i, s = topk(x, L, 512, starts=S, block_table=bt, block_size=bs, rows_per_seq=nn, return_scores=True)
+    assert_same((i, s), topk_ref(x, L, 512, S, bt, bs, nn))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph():
+    from dsv4 import registry
+    x = _realistic(64, 65536, 9, "randn")
+    L = torch.full((64,), 65536, dtype=torch.int32, device="cuda")
+    with registry.use(topk="cuda"):
+        topk(x, L, 512)  # compile + smem attribute outside capture
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            i, s = topk(x, L, 512, return_scores=True)
+    for seed in range(3):
+        x.copy_(_realistic(64, 65536, 100 + seed, "indexer"))
+        L.copy_(torch.randint(0, 65537, (64,), device="cuda").int())
+        gr.replay()
+        torch.cuda.synchronize()
+        assert_same((i, s), topk_ref(x, L, 512))
