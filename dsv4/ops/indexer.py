@@ -1,0 +1,423 @@
+"""DSV4 Lightning Indexer (CSA layers): FP4 paged key cache, query quantization, logits, top-k.
+
+Math (dsv4_spec.md 2.4; FLASH-REF model.py L380-433; DeepGEMM ``fp8_fp4_mqa_logits``)::
+
+    I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . K[s])       64 heads, 128 dims, fp32
+    allowed entries: ks[t] <= s < ke[t]; causal C4 rule ke = (pos_t + 1) // 4 ; else -inf
+    selection: top-k (k = 512 Flash / 1024 Pro) of each row, -1 padded
+
+``w`` is the weights_proj output with ``softmax_scale * n_heads^-0.5`` folded in (and, for
+``fmt="fp8"``, the per-(t, h) power-of-two query scale, as vLLM does).
+
+Formats (one 128-dim row; ``dsv4.reference.indexer.FORMATS``):
+
+====== ============================ ================================= =========
+fmt    values (VB bytes)            scales (SB bytes)                 bytes/row
+====== ============================ ================================= =========
+mxfp4  64: E2M1, elem 2i low nibble 4: UE8M0, one per 32 dims          68
+nvfp4  64: E2M1                     8: E4M3, one per 16 dims (+ fp32   72
+                                    global decode scale per cache)
+fp8    128: E4M3                    4: fp32 power of two (little end.) 132
+====== ============================ ================================= =========
+
+Paged key cache ``uint8 [num_blocks, block_size, BPT]``; per block all values first, then all
+scales (vLLM / DeepGEMM): value bytes of token j in block b at ``b*block_size*BPT + j*VB``,
+scale bytes at ``b*block_size*BPT + block_size*VB + j*SB``. E.g. MXFP4, block_size 64:
+values of token j at ``b*4352 + j*64``, its 4 UE8M0 at ``b*4352 + 4096 + j*4``.
+
+Optional Hadamard (``hadamard=True``): ``x -> (H_128 x) * 128^-0.5`` (Sylvester order) before
+quantization, for q and K alike (q.K is invariant under a shared orthogonal rotation).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layout import LayoutError, OpSpec, Param, TensorSpec
+from ..registry import Op, register
+from ..target import Target
+
+__all__ = ["indexer_cache_write", "indexer_q_quant", "indexer_logits", "indexer_logits_paged",
+           "indexer_topk", "indexer_prefill_ranges", "indexer_bytes_per_token", "FORMATS"]
+
+FORMATS = {"mxfp4": (64, 4), "nvfp4": (64, 8), "fp8": (128, 4)}
+HEADS, DIM = 64, 128
+_FMT_PARAM = Param("fmt", "str", "{'mxfp4', 'nvfp4', 'fp8'}", "row format (values VB + scales SB bytes)")
+_LAYOUT_NOTE = ("Paged cache byte offsets (per block all values, then all scales): value bytes of token j of "
+                "block b at b*block_size*BPT + j*VB; scale bytes at b*block_size*BPT + block_size*VB + j*SB. "
+                "mxfp4: VB=64, SB=4 (UE8M0 per 32), BPT=68; nvfp4: VB=64, SB=8 (E4M3 per 16), BPT=72, plus "
+                "an fp32 global decode scale per cache; fp8: VB=128 (E4M3), SB=4 (fp32 power of two), BPT=132.")
+
+
+def indexer_bytes_per_token(fmt: str) -> int:
+    """68 (mxfp4), 72 (nvfp4) or 132 (fp8)."""
+    _check_fmt(fmt, "indexer_bytes_per_token")
+    return sum(FORMATS[fmt])
+
+
+def _check_fmt(fmt: str, op: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"{op}: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+
+
+def _check_global(op: str, fmt: str, name: str, g: Optional[torch.Tensor]) -> None:
+    if fmt == "nvfp4":
+        if g is None:
+            raise LayoutError(f"{op}: argument '{name}' (float32 [1], NVFP4 global decode scale) is required for fmt='nvfp4'")
+        if g.dtype != torch.float32 or g.numel() != 1:
+            raise LayoutError(f"{op}: argument '{name}' must be float32 [1], got {g.dtype} {list(g.shape)}")
+    elif g is not None:
+        raise LayoutError(f"{op}: argument '{name}' must be None for fmt={fmt!r} (only nvfp4 has a global scale)")
+
+
+# =========================================================================================
+# 1. cache writer
+CACHE_WRITE_SPEC = OpSpec(
+    name="indexer_cache_write",
+    summary="Quantize indexer keys (optional Hadamard) into the paged MXFP4 / NVFP4 / FP8 key cache at slot_mapping.",
+    inputs=(
+        TensorSpec("cache", torch.uint8, ("num_blocks", "block_size", "BPT"),
+                   packing="per block: block_size x VB value bytes, then block_size x SB scale bytes",
+                   scale="mxfp4: UE8M0 per 32; nvfp4: E4M3 per 16 (+ global); fp8: fp32 per token",
+                   doc="paged indexer key cache, written in place"),
+        TensorSpec("k", torch.bfloat16, ("N", 128), doc="new compressed keys (indexer compressor output)"),
+        TensorSpec("slot_mapping", (torch.int64, torch.int32), ("N",), align=4,
+                   doc="slot = block * block_size + j; -1 = skip the token"),
+        TensorSpec("global_scale", torch.float32, (1,), align=4, optional=True,
+                   doc="nvfp4 only: fp32 decode multiplier of the cache (e.g. amax/2688)"),
+    ),
+    params=(_FMT_PARAM, Param("hadamard", "bool", "{True, False}", "rotate K by H_128 * 128^-0.5 first")),
+    constraints=(("block_size % 64 == 0", "block_size must be a multiple of 64 (one 64-key tile per page slice)"),),
+    formula="vals, sf = quantize(Hadamard?(k)); cache[values of slot] = vals; cache[scales of slot] = sf",
+    source="dsv4_spec.md 2.7 (indexer K cache rows), 4.3; vLLM DeepseekV4Indexer / DeepGEMM kv_cache_sf layout",
+    notes=_LAYOUT_NOTE,
+)
+
+
+def _cw_example(target: Target) -> dict:
+    return {"fmt": "mxfp4", "hadamard": True, "block_size": 64, "device": target.device_type}
+
+
+CACHE_WRITE_OP = register(Op("indexer_cache_write", CACHE_WRITE_SPEC, module="indexer", example_problem=_cw_example))
+
+
+@torch.library.custom_op("dsv4::indexer_cache_write", mutates_args=("cache",))
+def _cache_write_op(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor,
+                    global_scale: Optional[torch.Tensor], fmt: str, hadamard: bool) -> None:
+    problem = {"fmt": fmt, "hadamard": bool(hadamard), "block_size": int(cache.shape[1]), "device": cache.device.type}
+    CACHE_WRITE_OP.dispatch(problem, Target.of(cache.device), cache=cache, k=k, slot_mapping=slot_mapping,
+                            global_scale=global_scale)
+
+
+@_cache_write_op.register_fake
+def _(cache, k, slot_mapping, global_scale, fmt, hadamard):
+    return None
+
+
+def indexer_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, *, fmt: str = "mxfp4",
+                        global_scale: Optional[torch.Tensor] = None, hadamard: bool = True) -> None:
+    """Write keys into the paged indexer key cache (in place).
+
+    Args:
+        cache: uint8 ``[num_blocks, block_size, BPT]`` (BPT = 68 mxfp4 / 72 nvfp4 / 132 fp8);
+            per block all value bytes first, then all scale bytes (module docstring).
+        k: bf16 ``[N, 128]`` keys.
+        slot_mapping: int64/int32 ``[N]``: ``block * block_size + j``; -1 skips the token.
+        fmt: ``"mxfp4"`` (DSV4 default), ``"nvfp4"`` or ``"fp8"``.
+        global_scale: nvfp4 only: fp32 ``[1]`` decode multiplier shared by the whole cache.
+        hadamard: rotate by ``H_128 * 128^-0.5`` before quantizing (the DSV4 reference does).
+
+    Raises:
+        ValueError: unknown fmt. LayoutError: argument mismatch (names the argument).
+
+    Source: dsv4_spec.md 2.4 / 2.7 / 4.3.
+    """
+    _check_fmt(fmt, "indexer_cache_write")
+    CACHE_WRITE_SPEC.validate({"cache": cache, "k": k, "slot_mapping": slot_mapping, "global_scale": global_scale},
+                              symbols={"BPT": indexer_bytes_per_token(fmt)})
+    _check_global("indexer_cache_write", fmt, "global_scale", global_scale)
+    torch.ops.dsv4.indexer_cache_write(cache, k, slot_mapping, global_scale, fmt, bool(hadamard))
+
+
+# =========================================================================================
+# 2. query quantization
+Q_QUANT_SPEC = OpSpec(
+    name="indexer_q_quant",
+    summary="Indexer queries [T,64,128] bf16 -> MXFP4 / NVFP4 (+ scales) or FP8 with its per-(t,h) scale folded into w.",
+    inputs=(
+        TensorSpec("q", torch.bfloat16, ("T", 64, 128), doc="indexer queries after RoPE (last 64 dims)"),
+        TensorSpec("w", torch.float32, ("T", 64), doc="head weights (softmax_scale * 64^-0.5 folded)"),
+        TensorSpec("global_scale", torch.float32, (1,), align=4, optional=True, doc="nvfp4 only: q decode multiplier"),
+    ),
+    outputs=(
+        TensorSpec("q_data", torch.uint8, ("T", 64, "VB"), output=True, packing="mxfp4/nvfp4: 2 x E2M1 per byte, low nibble first; fp8: E4M3 bytes"),
+        TensorSpec("q_sf", torch.uint8, ("T", 64, "SBQ"), output=True, align=1,
+                   scale="mxfp4: 4 UE8M0 (per 32); nvfp4: 8 E4M3 (per 16); fp8: empty [T, 64, 0]"),
+        TensorSpec("w_out", torch.float32, ("T", 64), output=True, doc="fp8: w * q_scale; fp4: copy of w"),
+    ),
+    params=(_FMT_PARAM, Param("hadamard", "bool", "{True, False}", "rotate q by H_128 * 128^-0.5 first")),
+    formula="(q_data, q_sf) = quantize(Hadamard?(q)); fp8: per-(t,h) s = 2^ceil(log2(amax/448)), w_out = w * s",
+    source="dsv4_spec.md 2.4, 2.7 (Indexer Q row), 4.3 item 6 (vLLM fused_indexer_q_rope_quant)",
+)
+
+Q_QUANT_OP = register(Op("indexer_q_quant", Q_QUANT_SPEC, module="indexer",
+                         example_problem=lambda t: {"fmt": "mxfp4", "hadamard": True, "device": t.device_type}))
+
+
+@torch.library.custom_op("dsv4::indexer_q_quant", mutates_args=())
+def _q_quant_op(q: torch.Tensor, w: torch.Tensor, global_scale: Optional[torch.Tensor], fmt: str,
+                hadamard: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    problem = {"fmt": fmt, "hadamard": bool(hadamard), "device": q.device.type}
+    return Q_QUANT_OP.dispatch(problem, Target.of(q.device), q=q, w=w, global_scale=global_scale)
+
+
+@_q_quant_op.register_fake
+def _(q, w, global_scale, fmt, hadamard):
+    vb, sb = FORMATS[fmt]
+    T = q.shape[0]
+    return (q.new_empty((T, HEADS, vb), dtype=torch.uint8),
+            q.new_empty((T, HEADS, 0 if fmt == "fp8" else sb), dtype=torch.uint8),
+            w.new_empty((T, HEADS)))
+
+
+def indexer_q_quant(q: torch.Tensor, w: torch.Tensor, *, fmt: str = "mxfp4", hadamard: bool = True,
+                    global_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize indexer queries.
+
+    Args:
+        q: bf16 ``[T, 64, 128]``. w: fp32 ``[T, 64]``.
+        fmt: ``"mxfp4"`` / ``"nvfp4"`` / ``"fp8"``. hadamard: rotate first.
+        global_scale: nvfp4 only, fp32 ``[1]`` q decode multiplier.
+
+    Returns:
+        ``(q_data uint8 [T,64,VB], q_sf uint8 [T,64,SB] (fp8: [T,64,0]), w_out fp32 [T,64])``;
+        fp8 folds the per-(t,h) power-of-two scale into ``w_out`` (vLLM convention).
+
+    Raises:
+        ValueError / LayoutError as :func:`indexer_cache_write`.
+    """
+    _check_fmt(fmt, "indexer_q_quant")
+    Q_QUANT_SPEC.validate({"q": q, "w": w, "global_scale": global_scale})
+    _check_global("indexer_q_quant", fmt, "global_scale", global_scale)
+    return torch.ops.dsv4.indexer_q_quant(q, w, global_scale, fmt, bool(hadamard))
+
+
+# =========================================================================================
+# 3. prefill logits
+LOGITS_SPEC = OpSpec(
+    name="indexer_logits",
+    summary="Prefill indexer logits on tensor cores: quantized q [T,64,.] x contiguous quantized keys [S,.], per-query [ks, ke).",
+    inputs=(
+        TensorSpec("q_data", torch.uint8, ("T", 64, "VB"), doc="from indexer_q_quant"),
+        TensorSpec("q_sf", torch.uint8, ("T", 64, "SBQ"), align=1, doc="from indexer_q_quant (fp8: [T,64,0])"),
+        TensorSpec("w", torch.float32, ("T", 64), doc="head weights (fp8: q scale folded)"),
+        TensorSpec("k_data", torch.uint8, ("S", "VB"), doc="contiguous key values (same format as q)"),
+        TensorSpec("k_sf", torch.uint8, ("S", "SB"), align=16, doc="key scale bytes (fp8: fp32 as 4 bytes)"),
+        TensorSpec("ks", torch.int32, ("T",), align=4, doc="first allowed key of each query"),
+        TensorSpec("ke", torch.int32, ("T",), align=4, doc="end (exclusive) of allowed keys; causal: offset + (pos+1)//4"),
+        TensorSpec("q_global", torch.float32, (1,), align=4, optional=True, doc="nvfp4 only"),
+        TensorSpec("k_global", torch.float32, (1,), align=4, optional=True, doc="nvfp4 only"),
+    ),
+    outputs=(TensorSpec("logits", torch.float32, ("T", "S"), output=True, doc="fp32; -inf outside [ks, ke)"),),
+    params=(_FMT_PARAM,),
+    formula="logits[t,s] = sum_h w[t,h] * relu(q[t,h] . K[s]) if ks[t] <= s < ke[t] else -inf",
+    source="dsv4_spec.md 2.4, 4.3 item 7 (DeepGEMM fp8_fp4_mqa_logits semantics)",
+    notes="Many sequences of different lengths go in one launch: pack queries along T and keys along S "
+          "and give each query its own [ks, ke) (indexer_prefill_ranges builds them).",
+)
+
+LOGITS_OP = register(Op("indexer_logits", LOGITS_SPEC, module="indexer",
+                        example_problem=lambda t: {"fmt": "mxfp4", "device": t.device_type}))
+
+
+@torch.library.custom_op("dsv4::indexer_logits", mutates_args=())
+def _logits_op(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, k_data: torch.Tensor, k_sf: torch.Tensor,
+               ks: torch.Tensor, ke: torch.Tensor, q_global: Optional[torch.Tensor], k_global: Optional[torch.Tensor],
+               fmt: str) -> torch.Tensor:
+    problem = {"fmt": fmt, "device": q_data.device.type}
+    return LOGITS_OP.dispatch(problem, Target.of(q_data.device), q_data=q_data, q_sf=q_sf, w=w, k_data=k_data,
+                              k_sf=k_sf, ks=ks, ke=ke, q_global=q_global, k_global=k_global)
+
+
+@_logits_op.register_fake
+def _(q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global, fmt):
+    return w.new_empty((q_data.shape[0], k_data.shape[0]))
+
+
+def _sbq(fmt: str) -> int:
+    return 0 if fmt == "fp8" else FORMATS[fmt][1]
+
+
+def indexer_logits(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, k_data: torch.Tensor,
+                   k_sf: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, *, fmt: str = "mxfp4",
+                   q_global: Optional[torch.Tensor] = None, k_global: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Prefill indexer logits (non-paged keys), one launch for all sequences.
+
+    Args:
+        q_data, q_sf, w: from :func:`indexer_q_quant` (``[T,64,VB]``, ``[T,64,SB|0]``, ``[T,64]``).
+        k_data: uint8 ``[S, VB]``; k_sf: uint8 ``[S, SB]`` (fp8: each row an fp32 scale).
+        ks, ke: int32 ``[T]``: query t may see keys ``ks[t] <= s < ke[t]`` (the causal C4 rule
+            goes into ``ke``; see :func:`indexer_prefill_ranges`).
+        fmt: ``"mxfp4"`` / ``"nvfp4"`` / ``"fp8"``; q_global / k_global: nvfp4 global scales.
+
+    Returns:
+        fp32 ``[T, S]``: ``sum_h w[t,h] * relu(q[t,h] . K[s])`` inside the range, -inf outside.
+
+    Raises:
+        ValueError / LayoutError (argument named, expected vs got).
+    """
+    _check_fmt(fmt, "indexer_logits")
+    vb, sb = FORMATS[fmt]
+    LOGITS_SPEC.validate({"q_data": q_data, "q_sf": q_sf, "w": w, "k_data": k_data, "k_sf": k_sf, "ks": ks,
+                          "ke": ke, "q_global": q_global, "k_global": k_global},
+                         symbols={"VB": vb, "SB": sb, "SBQ": _sbq(fmt)})
+    _check_global("indexer_logits", fmt, "q_global", q_global)
+    _check_global("indexer_logits", fmt, "k_global", k_global)
+    return torch.ops.dsv4.indexer_logits(q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global, fmt)
+
+
+def indexer_prefill_ranges(seq_lens, ratio: int = 4, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ks, ke, pos) int32 ``[T]`` for sequences packed along T (queries) and along S (their
+    compressed entries): query at position p of a sequence whose entries start at o sees
+    ``[o, o + (p + 1) // ratio)`` (DSV4 C4 causal rule). Host-side helper (takes Python ints)."""
+    from ..reference.indexer import causal_ranges
+    return causal_ranges(list(seq_lens), ratio, device)
+
+
+# =========================================================================================
+# 4. decode (paged) logits
+PAGED_SPEC = OpSpec(
+    name="indexer_logits_paged",
+    summary="Decode indexer logits on tensor cores from the paged FP4/FP8 key cache (block_table, per-row lengths, next_n 1..4).",
+    inputs=(
+        TensorSpec("q_data", torch.uint8, ("B", "next_n", 64, "VB"), doc="quantized queries (indexer_q_quant, reshaped)"),
+        TensorSpec("q_sf", torch.uint8, ("B", "next_n", 64, "SBQ"), align=1, doc="query scales (fp8: size-0 last dim)"),
+        TensorSpec("w", torch.float32, ("B * next_n", 64), doc="head weights, row b*next_n + i"),
+        TensorSpec("cache", torch.uint8, ("num_blocks", "block_size", "BPT"), doc="paged key cache (indexer_cache_write)"),
+        TensorSpec("context_lens", torch.int32, ("B", "next_n"), align=4,
+                   doc="entries visible to each query row (the public function also takes [B] + the MTP rule)"),
+        TensorSpec("block_table", torch.int32, ("B", "max_blocks"), align=4, doc="page of entry s = block_table[b, s // block_size]"),
+        TensorSpec("q_global", torch.float32, (1,), align=4, optional=True, doc="nvfp4 only"),
+        TensorSpec("k_global", torch.float32, (1,), align=4, optional=True, doc="nvfp4 only (the cache's global scale)"),
+    ),
+    outputs=(TensorSpec("logits", torch.float32, ("B * next_n", "max_ctx"), output=True, doc="-inf at s >= context_lens"),),
+    params=(_FMT_PARAM, Param("max_ctx", "int", "<= max_blocks * block_size", "columns of the output (default max_blocks*block_size)")),
+    constraints=(("block_size % 64 == 0", "block_size must be a multiple of 64"),
+                 ("next_n >= 1 and next_n <= 4", "next_n must be 1..4 (N = 64*next_n <= 256 in one WGMMA)")),
+    formula="logits[b*next_n+i, s] = sum_h w * relu(q[b,i,h] . K[page(b,s), s % block_size]) if s < len[b,i] else -inf",
+    source="dsv4_spec.md 4.3 item 8 (DeepGEMM fp8_fp4_paged_mqa_logits semantics)",
+    notes=_LAYOUT_NOTE + " One launch for the whole batch; every row has its own length (seed 002).",
+)
+
+PAGED_OP = register(Op("indexer_logits_paged", PAGED_SPEC, module="indexer",
+                       example_problem=lambda t: {"fmt": "mxfp4", "next_n": 1, "block_size": 64, "max_ctx": 32768,
+                                                  "device": t.device_type}))
+
+
+@torch.library.custom_op("dsv4::indexer_logits_paged", mutates_args=())
+def _paged_op(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, lens: torch.Tensor,
+              block_table: torch.Tensor, q_global: Optional[torch.Tensor], k_global: Optional[torch.Tensor],
+              fmt: str, max_ctx: int) -> torch.Tensor:
+    problem = {"fmt": fmt, "next_n": int(q_data.shape[1]), "block_size": int(cache.shape[1]), "max_ctx": int(max_ctx),
+               "device": q_data.device.type}
+    return PAGED_OP.dispatch(problem, Target.of(q_data.device), q_data=q_data, q_sf=q_sf, w=w, cache=cache, lens=lens,
+                             block_table=block_table, q_global=q_global, k_global=k_global)
+
+
+@_paged_op.register_fake
+def _(q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fmt, max_ctx):
+    return w.new_empty((q_data.shape[0] * q_data.shape[1], max_ctx))
+
+
+def indexer_logits_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, *, fmt: str = "mxfp4",
+                         max_ctx: Optional[int] = None, q_global: Optional[torch.Tensor] = None,
+                         k_global: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode indexer logits over the paged key cache, one launch for the batch.
+
+    Args:
+        q_data: uint8 ``[B, next_n, 64, VB]``; q_sf: uint8 ``[B, next_n, 64, SB|0]``.
+        w: fp32 ``[B*next_n, 64]``.
+        cache: uint8 ``[num_blocks, block_size, BPT]`` (:func:`indexer_cache_write`).
+        context_lens: int32 ``[B, next_n]`` (entries visible to each row) or ``[B]`` (then row i
+            of batch b sees ``context_lens[b] - next_n + 1 + i``, the DeepGEMM MTP rule).
+        block_table: int32 ``[B, max_blocks]``.
+        max_ctx: output columns (default ``max_blocks * block_size``).
+        fmt, q_global, k_global: as :func:`indexer_logits`.
+
+    Returns:
+        fp32 ``[B*next_n, max_ctx]``, -inf at columns ``>=`` the row's length.
+
+    Raises:
+        ValueError / LayoutError (argument named, expected vs got), e.g. next_n > 4.
+    """
+    from ..reference.indexer import normalize_context_lens
+    _check_fmt(fmt, "indexer_logits_paged")
+    if q_data.dim() != 4:
+        raise LayoutError(f"indexer_logits_paged: argument 'q_data' must be [B, next_n, 64, VB], got {list(q_data.shape)}")
+    if context_lens.dtype != torch.int32 or context_lens.dim() not in (1, 2):
+        raise LayoutError("indexer_logits_paged: argument 'context_lens' must be int32 [B] or [B, next_n], got "
+                          f"{context_lens.dtype} {list(context_lens.shape)}")
+    lens = normalize_context_lens(context_lens, q_data.shape[1]).contiguous()
+    vb, sb = FORMATS[fmt]
+    env = PAGED_SPEC.validate({"q_data": q_data, "q_sf": q_sf, "w": w, "cache": cache, "context_lens": lens,
+                               "block_table": block_table, "q_global": q_global, "k_global": k_global},
+                              symbols={"VB": vb, "SBQ": _sbq(fmt), "BPT": vb + sb})
+    full = env["max_blocks"] * env["block_size"]
+    if max_ctx is None:
+        max_ctx = full
+    if not (0 < int(max_ctx) <= full):
+        raise LayoutError(f"indexer_logits_paged: max_ctx={max_ctx} must be in [1, max_blocks*block_size={full}]")
+    _check_global("indexer_logits_paged", fmt, "q_global", q_global)
+    _check_global("indexer_logits_paged", fmt, "k_global", k_global)
+    return torch.ops.dsv4.indexer_logits_paged(q_data, q_sf, w, cache, lens, block_table, q_global, k_global,
+                                               fmt, int(max_ctx))
+
+
+# =========================================================================================
+# 5. top-k
+TOPK_SPEC = OpSpec(
+    name="indexer_topk",
+    summary="Top-k entry indices per indexer logits row (via the dsv4 top-k op), -1 padded.",
+    inputs=(TensorSpec("logits", torch.float32, ("rows", "stride"), doc="indexer logits (-inf = not allowed)"),
+            TensorSpec("lengths", torch.int32, ("rows",), align=4, doc="valid columns of each row")),
+    outputs=(TensorSpec("indices", torch.int32, ("rows", "k"), output=True, doc="sorted by score desc, ties -> lower index, -1 padded"),),
+    params=(Param("k", "int", ">= 1", "512 (Flash) / 1024 (Pro)"),),
+    formula="indices[r] = argtopk_k(logits[r, :lengths[r]]) (finite entries only)",
+    source="dsv4_spec.md 2.4, 4.3 item 9",
+)
+
+TOPK_OP = register(Op("indexer_topk", TOPK_SPEC, module="indexer",
+                      example_problem=lambda t: {"k": 512, "device": t.device_type}))
+
+
+@torch.library.custom_op("dsv4::indexer_topk", mutates_args=())
+def _topk_op(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    return TOPK_OP.dispatch({"k": int(k), "device": logits.device.type}, Target.of(logits.device),
+                            logits=logits, lengths=lengths)
+
+
+@_topk_op.register_fake
+def _(logits, lengths, k):
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+
+
+def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k indices of each row of indexer logits.
+
+    Args:
+        logits: fp32 ``[rows, stride]``. lengths: int32 ``[rows]`` valid columns.
+        k: number of entries to select (512 / 1024).
+
+    Returns:
+        int32 ``[rows, k]``: sorted by score desc, ties -> lower index, -1 where a row has
+        fewer than k finite allowed entries.
+
+    Raises:
+        LayoutError / ValueError (k < 1).
+    """
+    if int(k) < 1:
+        raise ValueError(f"indexer_topk: k must be >= 1, got {k}")
+    TOPK_SPEC.validate({"logits": logits, "lengths": lengths})
+    return torch.ops.dsv4.indexer_topk(logits, lengths, int(k))

@@ -1,0 +1,627 @@
+// Lightning Indexer (DSV4 CSA layers) on sm_90a: quantizers and logits on tensor cores.
+// Contract: docs/layouts/indexer_*.md (dsv4/ops/indexer.py). Math (dsv4_spec.md 2.4):
+//     I[r, s] = sum_h w[r, h] * ReLU(q[r, h] . K[s])        fp32, h = 0..63, dims = 128
+//
+// Kernels
+//   indexer_quant_kernel   one warp per 128-dim row: optional Sylvester-Hadamard (FWHT,
+//                          butterflies in-thread then __shfl_xor_sync), then MXFP4 / NVFP4 /
+//                          FP8 quantization; writes into the paged key cache (slot_mapping,
+//                          -1 = skip) or into the query buffers (FP8: scale folded into w).
+//   indexer_logits_kernel  one warpgroup (128 threads) per CTA; CTA = NQ query rows x a chunk
+//                          of keys. Keys are the WGMMA M dimension (64 keys per tile), the
+//                          NQ x 64 heads are the N dimension (N = 64*NQ <= 256), K = 128 dims.
+//                          Raw key bytes stream through a STAGES-deep cp.async ring; each tile
+//                          is decoded EXACTLY to BF16 in smem (E2M1 via the prmt LUT of
+//                          common.cuh with the block scale folded in: E2M1 * 2^e and
+//                          E2M1 * E4M3 are exact in BF16; E4M3 -> BF16 is exact), then 8
+//                          wgmma.mma_async m64nNk16 BF16 (fp32 accumulate) while the next tile
+//                          is decoded into the other buffer. Epilogue in registers: ReLU,
+//                          x w[r,h], sum over the thread's heads, quad shuffle reduce, x the
+//                          per-key FP8 scale / NVFP4 global scales, -inf outside the row range.
+//
+// Macros: IDX_FMT (0 MXFP4, 1 NVFP4, 2 FP8), IDX_NQ (1..4 query rows per CTA),
+//         IDX_PAGED (0 prefill contiguous keys, 1 decode paged cache), IDX_STAGES (cp.async ring).
+#include "indexer.cuh"
+
+#ifndef IDX_FMT
+#define IDX_FMT 0
+#endif
+#ifndef IDX_NQ
+#define IDX_NQ 1
+#endif
+#ifndef IDX_PAGED
+#define IDX_PAGED 0
+#endif
+#ifndef IDX_STAGES
+#define IDX_STAGES 4
+#endif
+#ifndef IDX_HADAMARD
+#define IDX_HADAMARD 0
+#endif
+#ifndef IDX_FASTDEC
+#define IDX_FASTDEC 0
+#endif
+#ifndef IDX_TUNED
+#define IDX_TUNED 0   // 1: block_table prefetch to smem + batched query loads (not yet run on the H200)
+#endif
+
+#if IDX_FMT == 2
+#define IDX_VB 128  // value bytes per 128-dim row (E4M3)
+#define IDX_SB 4    // scale bytes per row (one fp32, power of two)
+#else
+#define IDX_VB 64   // 128 x E2M1
+#if IDX_FMT == 0
+#define IDX_SB 4    // 4 x UE8M0 (one per 32)
+#else
+#define IDX_SB 8    // 8 x E4M3 (one per 16)
+#endif
+#endif
+#define IDX_BPT (IDX_VB + IDX_SB)
+#define IDX_N (64 * IDX_NQ)
+#define IDX_TILE 64
+#ifndef IDX_MAX_CHUNK_TILES
+#define IDX_MAX_CHUNK_TILES 512      // paged: tiles per CTA at most (host clamps chunk_tiles)
+#endif
+#define IDX_RAW_BYTES (IDX_TILE * IDX_BPT)
+
+#define NEG_INF __int_as_float(0xff800000)
+
+// ---------------------------------------------------------------------------------------
+// small PTX helpers
+DSV4_DEVICE u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+DSV4_DEVICE void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+DSV4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> DSV4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+DSV4_DEVICE u32x4 ld_shared_v4(u32 a) {
+  u32x4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
+  return r;
+}
+DSV4_DEVICE void st_shared_v4(u32 a, u32 x, u32 y, u32 z, u32 w) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+// a * b (bf16x2), exact whenever the product is representable (used with power-of-two and
+// E4M3 scales: E2M1 x UE8M0 and E2M1 x E4M3 products always are).
+DSV4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+  return r;
+}
+// UE8M0 byte -> bf16 bits of 2^(b-127) (b = 0 is the bf16 subnormal 2^-127, 255 NaN)
+DSV4_DEVICE u32 ue8m0_to_bf16_bits(u32 b) {
+  b &= 0xFFu;
+  return b == 0u ? 0x0040u : (b == 0xFFu ? 0x7FC0u : (b << 7));
+}
+// 8 E4M3 bytes (w0 = bytes 0..3, w1 = 4..7) -> 8 bf16 in o[0..3] (exact: via f16)
+DSV4_DEVICE void e4m3x8_to_bf16x8(u32 w0, u32 w1, u32 o[4]) {
+  const u32 ww[2] = {w0, w1};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      float lo, hi;
+      e4m3x2_to_f32x2(ww[i] >> (16 * p), lo, hi);
+      o[2 * i + p] = pack_bf16x2(lo, hi);
+    }
+  }
+}
+
+// Fast exact E2M1 -> BF16 for the WGMMA operands (IDX_FASTDEC=1). A nibble n placed as the
+// bf16 bit pattern (n & 8) << 12 | (n & 7) << 6 (sign, then the 3 magnitude bits as exponent
+// field bits 8:7 + mantissa bit 6) is the bf16 value E2M1(n) * 2^-126 exactly (code 1 is the
+// bf16 subnormal 2^-127 = 0.5 * 2^-126; codes 2..7 are normals 2^(E-127)(1 + m/2)); one exact
+// bf16x2 multiply by 2^126 restores E2M1(n). Nibbles are paired (j, j+4) so that both members
+// of a pair need the same shift: out[j] = {bf16(e_j), bf16(e_{j+4})}, i.e. the 8 dims of a word
+// are stored in the order [0, 4, 1, 5, 2, 6, 3, 7]. q and K use the same order (a permutation
+// of the reduction dim leaves q . K unchanged). Verified bit-exact for all 256 bytes
+// (tests/test_indexer.py::test_gpu_e2m1_decode_exhaustive); never arithmetic on the level index.
+DSV4_DEVICE void e2m1x8_to_bf16x8_perm(u32 w, u32 o[4]) {
+  const u32 two126 = 0x7E807E80u;  // bf16x2 {2^126, 2^126}
+  o[0] = ((w << 6) & 0x01C001C0u) | ((w << 12) & 0x80008000u);
+  o[1] = ((w << 2) & 0x01C001C0u) | ((w << 8) & 0x80008000u);
+  o[2] = ((w >> 2) & 0x01C001C0u) | ((w << 4) & 0x80008000u);
+  o[3] = ((w >> 6) & 0x01C001C0u) | (w & 0x80008000u);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) o[k] = bf16x2_mul(o[k], two126);
+}
+
+// SW128 K-major tile: `rows` rows x 128 dims bf16 = two regions (dims 0..63, 64..127) of
+// rows x 128 B; 16-byte chunk c of row r lives at chunk c ^ (r % 8) (1024-B aligned base).
+DSV4_DEVICE u32 sw128_addr(u32 base, int rows, int r, int half, int c) {
+  return base + (u32)(half * rows * 128 + r * 128 + ((c ^ (r & 7)) << 4));
+}
+// WGMMA smem matrix descriptor: K-major, 128-byte swizzle, SBO = 1024 B (8 rows x 128 B),
+// LBO unused for swizzled K-major (set to 1), base offset 0 (1024-B aligned atoms).
+DSV4_DEVICE u64 make_desc_sw128(u32 addr) {
+  return (u64)((addr >> 4) & 0x3FFFu) | ((u64)1u << 16) | ((u64)(1024u >> 4) << 32) | ((u64)1u << 62);
+}
+
+// Decode one half row (64 dims) held in vw[] (FP4: 8 words; FP8: 16 words) with its block
+// scales `sc` (MXFP4: 2 UE8M0 bytes; NVFP4: 4 E4M3 bytes; FP8: none) into the SW128 tile.
+DSV4_DEVICE void decode_half(const u32* vw, const u8* sc, u32 tile, int rows, int r, int half) {
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    u32 o[4];
+#if IDX_FMT == 2
+    e4m3x8_to_bf16x8(vw[2 * c], vw[2 * c + 1], o);
+#else
+#if IDX_FASTDEC
+    e2m1x8_to_bf16x8_perm(vw[c], o);
+#else
+    e2m1x8_to_bf16x8(vw[c], o);
+#endif
+#if IDX_FMT == 0
+    const u32 sb = ue8m0_to_bf16_bits(sc[c >> 2]);
+#else
+    const float sf = e4m3_to_f32(sc[c >> 1]);
+    const u32 sb = pack_bf16x2(sf, sf) & 0xFFFFu;
+#endif
+    const u32 s2 = sb | (sb << 16);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = bf16x2_mul(o[k], s2);
+#endif
+    st_shared_v4(sw128_addr(tile, rows, r, half, c), o[0], o[1], o[2], o[3]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// logits
+struct __align__(1024) LogitsSmem {
+  u8 q[2 * IDX_N * 128];               // B operand: N rows x 128 dims bf16, SW128
+  u8 k[2][2 * IDX_TILE * 128];         // A operand: 64 keys x 128 dims bf16, SW128, double buffer
+  u8 raw[IDX_STAGES][IDX_RAW_BYTES];   // raw key bytes: 64 x VB values, then 64 x SB scales
+  float w[IDX_NQ][64];                 // head weights of the CTA's query rows
+  float kscale[2][IDX_TILE];           // FP8: per-key fp32 scale of the tile in k[buf]
+#if IDX_PAGED && IDX_TUNED
+  i32 pages[IDX_MAX_CHUNK_TILES];      // page of each tile of the CTA's chunk (block_table prefetch)
+#endif
+};
+
+// Issue the cp.async copies of one 64-key tile (rows >= nvalid are zero-filled, never read).
+DSV4_DEVICE void load_tile_async(u32 raw, const u8* vals, const u8* sfs, int nvalid, int tid) {
+  constexpr int VC = IDX_TILE * IDX_VB / 16;   // value chunks
+  constexpr int CPK = IDX_VB / 16;             // chunks per key
+#pragma unroll
+  for (int i = tid; i < VC; i += 128) {
+    const int key = i / CPK;
+    cp_async16(raw + i * 16, vals + i * 16, key < nvalid ? 16 : 0);
+  }
+  constexpr int SC = IDX_TILE * IDX_SB / 16;   // scale chunks
+  constexpr int KPC = 16 / IDX_SB;             // keys per scale chunk
+  if (tid < SC) {
+    int nb = (nvalid - tid * KPC) * IDX_SB;
+    nb = nb < 0 ? 0 : (nb > 16 ? 16 : nb);
+    cp_async16(raw + IDX_TILE * IDX_VB + tid * 16, sfs + tid * 16, nb);
+  }
+}
+
+// Decode a landed raw tile into a bf16 SW128 A tile: thread = (key tid/2, half tid%2).
+DSV4_DEVICE void decode_tile(const u8* raw_p, u32 raw, u32 ktile, float* kscale, int tid) {
+  const int r = tid >> 1, half = tid & 1;
+#if IDX_FMT == 2
+  if (half == 0) kscale[r] = reinterpret_cast<const float*>(raw_p + IDX_TILE * IDX_VB)[r];
+  u32 vw[16];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32x4 v = ld_shared_v4(raw + r * IDX_VB + half * 64 + i * 16);
+    vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
+  }
+  decode_half(vw, nullptr, ktile, IDX_TILE, r, half);
+#else
+  u32 vw[8];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const u32x4 v = ld_shared_v4(raw + r * IDX_VB + half * 32 + i * 16);
+    vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
+  }
+  const u8* sc = raw_p + IDX_TILE * IDX_VB + r * IDX_SB + half * (IDX_SB / 2);
+  decode_half(vw, sc, ktile, IDX_TILE, r, half);
+#endif
+}
+
+// Register fence on the accumulators (CUTLASS warpgroup_fence_operand): keeps the compiler
+// from moving accumulator reads/writes across the asynchronous WGMMA issue / wait.
+DSV4_DEVICE void fence_acc(float* acc) {
+#pragma unroll
+  for (int i = 0; i < IDX_N / 2; ++i) asm volatile("" : "+f"(acc[i]) :: "memory");
+}
+
+DSV4_DEVICE void mma_tile(float* acc, u32 ktile, u32 qtile) {
+  fence_acc(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const int half = kk >> 2;
+    const u64 da = make_desc_sw128(ktile + half * IDX_TILE * 128 + (kk & 3) * 32);
+    const u64 db = make_desc_sw128(qtile + half * IDX_N * 128 + (kk & 3) * 32);
+#if IDX_NQ == 1
+    wgmma_m64n64k16_bf16(acc, da, db, kk > 0);
+#elif IDX_NQ == 2
+    wgmma_m64n128k16_bf16(acc, da, db, kk > 0);
+#elif IDX_NQ == 3
+    wgmma_m64n192k16_bf16(acc, da, db, kk > 0);
+#else
+    wgmma_m64n256k16_bf16(acc, da, db, kk > 0);
+#endif
+  }
+  wgmma_commit();
+  fence_acc(acc);
+}
+
+// Prefill (IDX_PAGED=0): rows r = blockIdx.x*NQ + qi < R, keys k_data [S, VB] / k_sf [S, SB],
+//   row range [lo, hi) = [ks[r], ke[r]) clamped to [0, S); ld = S.
+// Decode (IDX_PAGED=1): batch b = blockIdx.x, rows r = b*NQ + qi (NQ = next_n), cache
+//   k_data = [num_blocks, block_size * BPT] (values then scales per block), page of key s =
+//   block_table[b, s / block_size]; row range [0, lens[r]) clamped to n_keys; ld = n_keys.
+extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
+    const u8* __restrict__ q_data,     // [R, 64, VB]
+    const u8* __restrict__ q_sf,       // [R, 64, SB/?] (MXFP4 4 B, NVFP4 8 B per head); unused for FP8
+    const float* __restrict__ w,       // [R, 64]
+    const float* __restrict__ q_gs,    // NVFP4: [1] q global scale; else unused
+    const float* __restrict__ k_gs,    // NVFP4: [1] k global scale; else unused
+    const u8* __restrict__ k_data,     // prefill [S, VB]; paged cache base
+    const u8* __restrict__ k_sf,       // prefill [S, SB]; paged: unused
+    const i32* __restrict__ range_lo,  // prefill ks [R]; paged lens [R]
+    const i32* __restrict__ range_hi,  // prefill ke [R]; paged block_table [B, max_blocks]
+    float* __restrict__ logits,        // [R, ld]
+    i32 R, i32 n_keys, i64 ld, i32 chunk_tiles, i32 block_size, i32 max_blocks) {
+  extern __shared__ __align__(1024) u8 smem_raw[];
+  LogitsSmem& sm = *reinterpret_cast<LogitsSmem*>(
+      (reinterpret_cast<unsigned long long>(smem_raw) + 1023ull) & ~1023ull);
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int row0 = blockIdx.x * IDX_NQ;
+  const int c0 = blockIdx.y * chunk_tiles * IDX_TILE;
+  const int c1 = min(n_keys, c0 + chunk_tiles * IDX_TILE);
+  if (c0 >= n_keys) return;
+
+  // per-row ranges (every thread computes all NQ; tiny)
+  int lo[IDX_NQ], hi[IDX_NQ];
+  int kmin = 0x7fffffff, kmax = 0;
+#pragma unroll
+  for (int qi = 0; qi < IDX_NQ; ++qi) {
+    const int r = row0 + qi;
+    int a = 0, b = 0;
+    if (r < R) {
+#if IDX_PAGED
+      a = 0;
+      b = __ldg(range_lo + r);
+#else
+      a = __ldg(range_lo + r);
+      b = __ldg(range_hi + r);
+#endif
+      a = max(a, 0);
+      b = min(b, n_keys);
+      if (b < a) b = a;
+    }
+    lo[qi] = a; hi[qi] = b;
+    if (b > a) { kmin = min(kmin, a); kmax = max(kmax, b); }
+  }
+  // tiles processed by this CTA: [p0, p1), 64-aligned, inside [c0, c1)
+  int p0 = max(c0, kmin & ~63), p1 = min(c1, kmax);
+  if (p1 <= p0) { p0 = c0; p1 = c0; }
+  const int ntiles = (p1 - p0 + 63) >> 6;
+  const int p1a = min(c1, p0 + ntiles * 64);
+
+  // -inf outside the processed tiles (inside them, the epilogue masks)
+#pragma unroll
+  for (int qi = 0; qi < IDX_NQ; ++qi) {
+    const int r = row0 + qi;
+    if (r >= R) continue;
+    float* out = logits + (i64)r * ld;
+    for (int s = c0 + tid; s < p0; s += 128) out[s] = NEG_INF;
+    for (int s = p1a + tid; s < c1; s += 128) out[s] = NEG_INF;
+  }
+  if (ntiles == 0) return;
+
+  const u32 q_s = smem_u32(sm.q);
+  const u32 k_s[2] = {smem_u32(sm.k[0]), smem_u32(sm.k[1])};
+  const u32 raw0 = smem_u32(sm.raw[0]);
+#define RAW_S(i) (raw0 + (u32)(i) * (u32)IDX_RAW_BYTES)
+
+#if IDX_PAGED
+  const i32* btab = range_hi + (i64)blockIdx.x * max_blocks;
+#endif
+  auto tile_ptrs = [&](int s0, const u8*& vals, const u8*& sfs) {
+#if IDX_PAGED && IDX_TUNED
+    const i64 page = (i64)sm.pages[(s0 - p0) >> 6];
+    const u8* base = k_data + page * block_size * IDX_BPT;
+    const int off = s0 % block_size;
+    vals = base + (i64)off * IDX_VB;
+    sfs = base + (i64)block_size * IDX_VB + (i64)off * IDX_SB;
+#elif IDX_PAGED
+    const i64 page = (i64)__ldg(btab + s0 / block_size);
+    const u8* base = k_data + page * block_size * IDX_BPT;
+    const int off = s0 % block_size;
+    vals = base + (i64)off * IDX_VB;
+    sfs = base + (i64)block_size * IDX_VB + (i64)off * IDX_SB;
+#else
+    vals = k_data + (i64)s0 * IDX_VB;
+    sfs = k_sf + (i64)s0 * IDX_SB;
+#endif
+  };
+  auto issue = [&](int t) {
+    if (t < ntiles) {
+      const int s0 = p0 + t * 64;
+      const u8 *vals, *sfs;
+      tile_ptrs(s0, vals, sfs);
+      load_tile_async(RAW_S(t % IDX_STAGES), vals, sfs, min(64, kmax - s0), tid);
+    }
+    cp_async_commit();
+  };
+#if IDX_PAGED && IDX_TUNED
+  for (int t = tid; t < ntiles; t += 128) sm.pages[t] = __ldg(btab + (p0 + t * 64) / block_size);
+  __syncthreads();
+#endif
+#pragma unroll
+  for (int t = 0; t < IDX_STAGES; ++t) issue(t);
+
+#if IDX_TUNED
+  // queries -> bf16 SW128 B tile (exact), weights -> smem. Thread tid owns the NQ tasks
+  // (row n = tid/2 + 64*i, half tid%2); all global loads are issued before any decode.
+  {
+    constexpr int QW = IDX_VB / 8;     // words per half row (FP4: 8, FP8: 16)
+    u32 qv[IDX_NQ][QW];
+    u8 qsc[IDX_NQ][4];
+    const int half = tid & 1;
+#pragma unroll
+    for (int i = 0; i < IDX_NQ; ++i) {
+      const int n = (tid >> 1) + 64 * i;
+      const int r = row0 + (n >> 6), h = n & 63;
+      const int rr = r < R ? r : 0;
+      const u8* src = q_data + ((i64)rr * 64 + h) * IDX_VB + half * (IDX_VB / 2);
+#pragma unroll
+      for (int k = 0; k < QW / 4; ++k) {
+        const u32x4 v = ld_global_nc_v4(src + k * 16);
+        qv[i][4 * k] = v.x; qv[i][4 * k + 1] = v.y; qv[i][4 * k + 2] = v.z; qv[i][4 * k + 3] = v.w;
+      }
+#if IDX_FMT != 2
+#pragma unroll
+      for (int k = 0; k < IDX_SB / 2; ++k) qsc[i][k] = __ldg(q_sf + ((i64)rr * 64 + h) * IDX_SB + half * (IDX_SB / 2) + k);
+#endif
+    }
+#pragma unroll
+    for (int i = 0; i < IDX_NQ; ++i) {
+      const int n = (tid >> 1) + 64 * i;
+      if (row0 + (n >> 6) < R) {
+        decode_half(qv[i], qsc[i], q_s, IDX_N, n, half);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) st_shared_v4(sw128_addr(q_s, IDX_N, n, half, c), 0u, 0u, 0u, 0u);
+      }
+    }
+  }
+#else
+  // queries -> bf16 SW128 B tile (exact), weights -> smem
+  for (int task = tid; task < IDX_N * 2; task += 128) {
+    const int n = task >> 1, half = task & 1;
+    const int qi = n >> 6, h = n & 63;
+    const int r = row0 + qi;
+    if (r < R) {
+#if IDX_FMT == 2
+      u32 vw[16];
+      const u8* src = q_data + ((i64)r * 64 + h) * IDX_VB + half * 64;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32x4 v = ld_global_nc_v4(src + i * 16);
+        vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
+      }
+      decode_half(vw, nullptr, q_s, IDX_N, n, half);
+#else
+      u32 vw[8];
+      const u8* src = q_data + ((i64)r * 64 + h) * IDX_VB + half * 32;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const u32x4 v = ld_global_nc_v4(src + i * 16);
+        vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
+      }
+      u8 sc[4];
+#pragma unroll
+      for (int i = 0; i < IDX_SB / 2; ++i) sc[i] = __ldg(q_sf + ((i64)r * 64 + h) * IDX_SB + half * (IDX_SB / 2) + i);
+      decode_half(vw, sc, q_s, IDX_N, n, half);
+#endif
+    } else {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st_shared_v4(sw128_addr(q_s, IDX_N, n, half, c), 0u, 0u, 0u, 0u);
+    }
+  }
+#endif
+  for (int i = tid; i < IDX_NQ * 64; i += 128) {
+    const int r = row0 + i / 64;
+    sm.w[i / 64][i % 64] = r < R ? __ldg(w + (i64)r * 64 + (i % 64)) : 0.f;
+  }
+#if IDX_FMT == 1
+  const float gscale = __ldg(q_gs) * __ldg(k_gs);
+#endif
+
+  // first tile
+  cp_async_wait<IDX_STAGES - 1>();
+  __syncthreads();
+  decode_tile(sm.raw[0], RAW_S(0), k_s[0], sm.kscale[0], tid);
+  fence_proxy_async_smem();
+  __syncthreads();
+  issue(IDX_STAGES);
+
+  float acc[IDX_N / 2];
+#pragma unroll
+  for (int i = 0; i < IDX_N / 2; ++i) acc[i] = 0.f;
+  const int rA = warp * 16 + (lane >> 2);  // key rows rA, rA + 8 of the tile
+  const int hc = 2 * (lane & 3);           // head column offset within each 8-column group
+  for (int t = 0; t < ntiles; ++t) {
+    mma_tile(acc, k_s[t & 1], q_s);
+    if (t + 1 < ntiles) {
+      cp_async_wait<IDX_STAGES - 1>();
+      __syncthreads();
+      const int st = (t + 1) % IDX_STAGES;
+      decode_tile(sm.raw[st], RAW_S(st), k_s[(t + 1) & 1], sm.kscale[(t + 1) & 1], tid);
+    }
+    wgmma_wait<0>();
+    fence_acc(acc);
+    fence_proxy_async_smem();
+    __syncthreads();
+    issue(t + 1 + IDX_STAGES);
+
+    // epilogue: rows rA / rA+8 of tile t; columns = heads of query qi
+    const int s0 = p0 + t * 64;
+    float kscale0 = 1.f, kscale1 = 1.f;
+#if IDX_FMT == 2
+    kscale0 = sm.kscale[t & 1][rA];  // copied at decode time (the raw stage is reused)
+    kscale1 = sm.kscale[t & 1][rA + 8];
+#elif IDX_FMT == 1
+    kscale0 = gscale; kscale1 = gscale;
+#endif
+#pragma unroll
+    for (int qi = 0; qi < IDX_NQ; ++qi) {
+      float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = qi * 8 + jj;
+        const float2 wv = *reinterpret_cast<const float2*>(&sm.w[qi][8 * jj + hc]);
+        v0 = fmaf(wv.x, fmaxf(acc[4 * j + 0], 0.f), v0);
+        v0 = fmaf(wv.y, fmaxf(acc[4 * j + 1], 0.f), v0);
+        v1 = fmaf(wv.x, fmaxf(acc[4 * j + 2], 0.f), v1);
+        v1 = fmaf(wv.y, fmaxf(acc[4 * j + 3], 0.f), v1);
+      }
+      v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+      v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+      v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+      v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+      const int r = row0 + qi;
+      const int q4 = lane & 3;
+      if (r < R && q4 < 2) {
+        const int s = s0 + rA + 8 * q4;
+        const float v = q4 == 0 ? v0 * kscale0 : v1 * kscale1;
+        if (s < c1) logits[(i64)r * ld + s] = (s >= lo[qi] && s < hi[qi]) ? v : NEG_INF;
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------------------
+// quantization (cache writer / query quantizer): one warp per 128-dim row; lane l holds
+// dims 4l..4l+3.
+//
+// Hadamard: y = H_128 x * 128^-0.5, H Sylvester (H[i][j] = (-1)^popcount(i & j)), computed
+// as 7 butterfly stages in fp32, bit 0 first: (a, b) -> (a + b, a - b) for the pair
+// (i, i | 2^k); the torch reference does the same operations in the same order (bit-exact).
+DSV4_DEVICE void fwht128(float v[4], int lane) {
+  float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+  v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
+#pragma unroll
+  for (int b = 0; b < 5; ++b) {
+    const bool upper = (lane >> b) & 1;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float p = __shfl_xor_sync(0xffffffffu, v[i], 1 << b);
+      v[i] = upper ? (p - v[i]) : (v[i] + p);
+    }
+  }
+  const float s = 0.08838834764831845f;  // 128^-0.5 (fp32)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] *= s;
+}
+
+// E2M1 round-to-nearest-even code (bit 3 = sign) of x (already divided by its scale);
+// thresholds are the midpoints of [0, .5, 1, 1.5, 2, 3, 4, 6], ties to the even code.
+DSV4_DEVICE u32 e2m1_code(float x) {
+  const float a = fabsf(x);
+  u32 i = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return i | ((__float_as_uint(x) >> 28) & 8u);
+}
+// 2^ceil(log2(x)) exponent byte (UE8M0) of a normal positive fp32 x
+DSV4_DEVICE u32 ue8m0_ceil_byte(float x) {
+  const u32 b = __float_as_uint(x);
+  return ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u);
+}
+
+// mode 0: cache writer: row n -> slot_mapping[n] (skip if < 0) in the paged cache.
+// mode 1: query quantizer: row n -> q_out + n*VB, sf_out + n*SB(q), w_out[n] (FP8 folds its scale).
+extern "C" __global__ void __launch_bounds__(128) indexer_quant_kernel(
+    const u16* __restrict__ x,          // [rows, 128] bf16 bits
+    const i64* __restrict__ slot_mapping,  // mode 0: [rows] int64
+    const float* __restrict__ gscale,   // NVFP4: [1] decode multiplier; else unused
+    u8* __restrict__ out,               // mode 0: cache base; mode 1: q values [rows, VB]
+    u8* __restrict__ sf_out,            // mode 1: q scales [rows, SB] (FP4 formats)
+    const float* __restrict__ w_in,     // mode 1: [rows] (= [T*64]) weights
+    float* __restrict__ w_out,          // mode 1: [rows]
+    i64 rows, i32 block_size, i32 mode) {
+  const int lane = threadIdx.x & 31;
+  const i64 n = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (n >= rows) return;
+  u8 *vdst, *sdst;
+  if (mode == 0) {
+    const i64 slot = __ldg(slot_mapping + n);
+    if (slot < 0) return;
+    const i64 b = slot / block_size, j = slot % block_size;
+    u8* base = out + b * block_size * IDX_BPT;
+    vdst = base + j * IDX_VB;
+    sdst = base + (i64)block_size * IDX_VB + j * IDX_SB;
+  } else {
+    vdst = out + n * IDX_VB;
+    sdst = sf_out + n * IDX_SB;
+  }
+  const u32x2 raw = *reinterpret_cast<const u32x2*>(x + n * 128 + lane * 4);
+  float v[4] = {bf16_lo_to_f32(raw.x), bf16_hi_to_f32(raw.x), bf16_lo_to_f32(raw.y), bf16_hi_to_f32(raw.y)};
+#if IDX_HADAMARD
+  fwht128(v, lane);
+#endif
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#if IDX_FMT == 0
+  // MXFP4 (DSV4 rule): s = 2^ceil(log2(max(amax, 6*2^-126) * fp32(1/6))), per 32 (8 lanes)
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+  amax = fmaxf(amax, 6.0f * 1.1754943508222875e-38f);
+  const u32 e = ue8m0_ceil_byte(amax * 0.16666667163372040f);
+  const float s = __uint_as_float(e << 23);
+  u32 codes = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) codes |= e2m1_code(fminf(fmaxf(v[i] / s, -6.f), 6.f)) << (4 * i);
+  *reinterpret_cast<u16*>(vdst + lane * 2) = (u16)codes;
+  if ((lane & 7) == 0) sdst[lane >> 3] = (u8)e;
+#elif IDX_FMT == 1
+  // NVFP4 (dsv4/formats/nvfp4.py, TransformerEngine association order), per 16 (4 lanes):
+  //   g_enc = 1 / g_dec; s = e4m3(min(vmax * (g_enc * fp32(1/6)), 448));
+  //   enc = min(1 / (s * g_dec), FLT_MAX); code = e2m1(clamp(x * enc, -6, 6)); s == 0 -> sign only
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const float g = __ldg(gscale);
+  const float g_enc = 1.0f / g;
+  const float mult = g_enc * __uint_as_float(0x3e2aaaabu);  // fp32(1/6)
+  const u32 sbyte = f32x2_to_e4m3x2(fminf(amax * mult, 448.0f), 0.f) & 0xFFu;
+  const float sf = e4m3_to_f32(sbyte);
+  const float enc = fminf(1.0f / (sf * g), 3.4028234663852886e38f);
+  u32 codes = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    u32 c = e2m1_code(fminf(fmaxf(v[i] * enc, -6.f), 6.f));
+    if (sf == 0.f) c &= 8u;
+    codes |= c << (4 * i);
+  }
+  *reinterpret_cast<u16*>(vdst + lane * 2) = (u16)codes;
+  if ((lane & 3) == 0) sdst[lane >> 2] = (u8)sbyte;
+#else
+  // FP8 (DSV4 act_quant, ue8m0, block 128 = the whole row; DeepGEMM/V3.2 power-of-two scale):
+  //   s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), q = e4m3(clamp(x / s, -448, 448))
+  amax = warp_max(amax);
+  amax = fmaxf(amax, 1e-4f);
+  const float s = __uint_as_float(ue8m0_ceil_byte(amax * __uint_as_float(0x3b124925u)) << 23);
+  const u32 lo = f32x2_to_e4m3x2(v[0] / s, v[1] / s), hi = f32x2_to_e4m3x2(v[2] / s, v[3] / s);  // satfinite = clamp
+  *reinterpret_cast<u32*>(vdst + lane * 4) = lo | (hi << 16);
+  if (lane == 0 && mode == 0) *reinterpret_cast<float*>(sdst) = s;
+#endif
+  if (mode == 1 && lane == 0) {
+#if IDX_FMT == 2
+    w_out[n] = __ldg(w_in + n) * s;
+#else
+    w_out[n] = __ldg(w_in + n);
+#endif
+  }
+}
