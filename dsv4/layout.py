@@ -353,6 +353,12 @@ def write_docs(directory: str, check: bool = False) -> list[str]:
             if not check:
                 with open(path, "w") as f:
                     f.write(md)
+    known = {f"{op.name}.md" for op in all_ops()} | {"README.md"}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".md") and f not in known:        # an op that no longer exists
+            stale.append(os.path.join(directory, f))
+            if not check:
+                os.remove(os.path.join(directory, f))
     idx_md = "\n".join(index) + "\n"
     ipath = os.path.join(directory, "README.md")
     old = open(ipath).read() if os.path.exists(ipath) else None

@@ -21,8 +21,8 @@ from dsv4.layout import LayoutError
 from dsv4.ops.indexer import (indexer_bytes_per_token, indexer_cache_write, indexer_logits,
                               indexer_logits_paged, indexer_prefill_ranges, indexer_q_quant, indexer_topk)
 from dsv4.reference.indexer import (FORMATS, cache_split, cache_write_ref, dequantize_cache, dequantize_q,
-                                    dequantize_rows, logits_ref, paged_logits_ref, q_quant_ref, quantize_rows,
-                                    topk_ref)
+                                    dequantize_rows, logits_ref, paged_logits_ref, q_quant_ref, quantize_rows)
+from dsv4.reference.topk import topk_ref
 from dsv4.registry import use
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -146,8 +146,9 @@ def test_prefill_ranges_and_topk_cpu():
     assert ke[:9].tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2]
     assert ke[9:13].tolist() == [2, 2, 2, 3]
     logits = torch.tensor([[1.0, 3.0, 3.0, float("-inf"), 2.0]])
-    assert topk_ref(logits, 4).tolist() == [[1, 2, 4, 0]]
-    assert topk_ref(logits, 6).tolist() == [[1, 2, 4, 0, -1, -1]]
+    full = torch.tensor([5], dtype=torch.int32)
+    assert topk_ref(logits, full, 4)[0].tolist() == [[1, 2, 4, 0]]
+    assert topk_ref(logits, full, 6)[0].tolist() == [[1, 2, 4, 0, -1, -1]]
     idx = indexer_topk(logits, torch.tensor([3], dtype=torch.int32), 4)
     assert idx.tolist() == [[1, 2, 0, -1]]
 

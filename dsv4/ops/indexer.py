@@ -377,34 +377,9 @@ def indexer_logits_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tens
 
 # =========================================================================================
 # 5. top-k
-TOPK_SPEC = OpSpec(
-    name="indexer_topk",
-    summary="Top-k entry indices per indexer logits row (via the dsv4 top-k op), -1 padded.",
-    inputs=(TensorSpec("logits", torch.float32, ("rows", "stride"), doc="indexer logits (-inf = not allowed)"),
-            TensorSpec("lengths", torch.int32, ("rows",), align=4, doc="valid columns of each row")),
-    outputs=(TensorSpec("indices", torch.int32, ("rows", "k"), output=True, doc="sorted by score desc, ties -> lower index, -1 padded"),),
-    params=(Param("k", "int", ">= 1", "512 (Flash) / 1024 (Pro)"),),
-    formula="indices[r] = argtopk_k(logits[r, :lengths[r]]) (finite entries only)",
-    source="dsv4_spec.md 2.4, 4.3 item 9",
-)
-
-TOPK_OP = register(Op("indexer_topk", TOPK_SPEC, module="indexer",
-                      example_problem=lambda t: {"k": 512, "device": t.device_type}))
-
-
-@torch.library.custom_op("dsv4::indexer_topk", mutates_args=())
-def _topk_op(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    return TOPK_OP.dispatch({"k": int(k), "device": logits.device.type}, Target.of(logits.device),
-                            logits=logits, lengths=lengths)
-
-
-@_topk_op.register_fake
-def _(logits, lengths, k):
-    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
-
-
 def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k indices of each row of indexer logits.
+    """Top-k indices of each row of indexer logits: the :func:`dsv4.ops.topk.topk` op (its
+    own registry entry, spec and kernel), named here for the indexer pipeline.
 
     Args:
         logits: fp32 ``[rows, stride]``. lengths: int32 ``[rows]`` valid columns.
@@ -417,7 +392,5 @@ def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     Raises:
         LayoutError / ValueError (k < 1).
     """
-    if int(k) < 1:
-        raise ValueError(f"indexer_topk: k must be >= 1, got {k}")
-    TOPK_SPEC.validate({"logits": logits, "lengths": lengths})
-    return torch.ops.dsv4.indexer_topk(logits, lengths, int(k))
+    from .topk import topk
+    return topk(logits, lengths, int(k))

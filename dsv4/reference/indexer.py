@@ -35,7 +35,7 @@ from .hadamard import hadamard_fwht
 
 __all__ = ["FORMATS", "HEADS", "DIM", "quantize_rows", "dequantize_rows", "cache_write_ref",
            "cache_split", "dequantize_cache", "q_quant_ref", "dequantize_q", "logits_ref",
-           "paged_logits_ref", "topk_ref", "causal_ranges", "normalize_context_lens"]
+           "paged_logits_ref", "causal_ranges", "normalize_context_lens"]
 
 HEADS = 64
 DIM = 128
@@ -215,20 +215,6 @@ def causal_ranges(seq_lens: list[int], ratio: int = 4, device=None) -> tuple[tor
     return (torch.cat(ks).to(device), torch.cat(ke).to(device), torch.cat(pos).to(device))
 
 
-def topk_ref(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """int32 ``[rows, k]`` indices of the k largest finite logits per row, sorted by score desc,
-    ties -> lower index, padded with -1 where a row has fewer than k finite entries."""
-    rows, n = logits.shape
-    kk = min(k, n)
-    # stable tie rule: sort by (-score, index) via a stable sort on descending score
-    order = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :kk]
-    vals = torch.gather(logits, 1, order)
-    idx = torch.where(torch.isfinite(vals), order, torch.full_like(order, -1)).to(torch.int32)
-    if kk < k:
-        idx = torch.cat([idx, idx.new_full((rows, k - kk), -1)], dim=1)
-    return idx
-
-
 # ------------------------------------------------------------------------------------------
 # providers
 class TorchCacheWrite(Provider):
@@ -284,30 +270,9 @@ class TorchPagedLogits(Provider):
         return paged_logits_ref(qr.reshape(B, nn, HEADS, DIM), w, kr, lens, block_table, problem["max_ctx"])
 
 
-class TorchTopk(Provider):
-    kind = "torch"
-    describe = "dsv4.ops.topk when registered, else torch.sort reference"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
-
-    def run(self, problem, *, logits, lengths):
-        k = problem["k"]
-        try:
-            from ..ops.topk import topk  # the top-k op of its own issue
-        except Exception:  # noqa: BLE001  (not landed yet)
-            topk = None
-        if topk is not None:
-            return topk(logits, lengths, k)
-        cols = torch.arange(logits.shape[1], device=logits.device)
-        masked = torch.where(cols[None] < lengths[:, None].long(), logits, torch.full_like(logits, float("-inf")))
-        return topk_ref(masked, k)
-
-
 PROVIDERS = {
     "indexer_cache_write": TorchCacheWrite,
     "indexer_q_quant": TorchQQuant,
     "indexer_logits": TorchLogits,
     "indexer_logits_paged": TorchPagedLogits,
-    "indexer_topk": TorchTopk,
 }
