@@ -1049,3 +1049,16 @@ def test_gpu_matches_cpu(cuda_device):
         assert torch.equal(a.data, b.data.cpu()) and torch.equal(e4m3_bytes(a.scale), e4m3_bytes(b.scale).cpu())
         assert torch.equal(dequantize_nvfp4(a), dequantize_nvfp4(b).cpu())
     assert torch.equal(e2m1_encode(all_bf16()), e2m1_encode(all_bf16().to(cuda_device)).cpu())
+
+
+def test_fp8_block_nan_is_canonical_0x7f():
+    """Any NaN (either sign) quantizes to the E4M3 NaN byte 0x7F, as the GPU kernels write it."""
+    from dsv4.formats import quantize_fp8_block
+    x = torch.ones(2, 128)
+    x[0, 3] = float("nan")
+    x[1, 5] = -float("nan")
+    x[1, 6] = torch.tensor(0.0) / torch.tensor(0.0)  # platform NaN (negative on x86)
+    q, s = quantize_fp8_block(x, 128)
+    b = q.view(torch.uint8)
+    assert b[0, 3] == 0x7F and b[1, 5] == 0x7F and b[1, 6] == 0x7F
+    assert torch.isfinite(s).all()

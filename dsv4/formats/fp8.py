@@ -15,7 +15,7 @@ returned as float32 in both modes (for ``"ue8m0"`` it is an exact power of two; 
 losslessly with :func:`dsv4.formats.ue8m0_encode_pow2` if a UE8M0 tensor is needed).
 
 Non-finite inputs (library choice, documented and tested): the block amax counts finite
-elements only; then ``clamp`` maps +-Inf to +-448 and NaN stays NaN (E4M3 NaN, 0x7F/0xFF).
+elements only; then ``clamp`` maps +-Inf to +-448 and NaN stays NaN, always the canonical E4M3 NaN byte 0x7F.
 """
 from __future__ import annotations
 
@@ -69,6 +69,10 @@ def quantize_fp8_block(x: torch.Tensor, block: int = 128,
     else:
         s = amax * _INV448_F32
     q = (blk / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    # canonical NaN 0x7F whatever the input NaN's sign (the sign of a NaN produced by a
+    # division differs between CPU and GPU; the kernels always write 0x7F)
+    qb = q.view(torch.uint8)
+    q = torch.where(torch.isnan(blk), torch.full_like(qb, 0x7F), qb).view(torch.float8_e4m3fn)
     return q.reshape(x.shape), s.squeeze(-1)
 
 

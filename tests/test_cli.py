@@ -1,0 +1,137 @@
+"""CLI smoke tests on CPU: ops, layouts, bench dispatch, and `dsv4 run` (reference path)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dsv4(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dsv4", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_ops_table_lists_every_op_and_reason():
+    r = dsv4("ops", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    from dsv4.registry import all_ops
+    names = {op.name for op in all_ops()}
+    assert {row["op"] for row in rows} == names
+    for row in rows:
+        assert row["provider"] in ("dsl", "cuda", "torch") and row["reason"]
+    # on a CPU machine every op with a torch provider chooses it
+    chosen = {row["op"]: row["provider"] for row in rows if row["chosen"]}
+    for n in names:
+        assert chosen.get(n) == "torch", (n, chosen)
+
+
+def test_ops_pretty_table():
+    r = dsv4("ops", "dequant_fp4")
+    assert r.returncode == 0 and "dequant_fp4" in r.stdout and "DSV4_OPS" in r.stdout
+
+
+def test_layouts_prints_specs():
+    r = dsv4("layouts", "dequant_fp4")
+    assert r.returncode == 0
+    assert "data: uint8 [M, Kp]" in r.stdout and "element 2i in the low nibble" in r.stdout
+
+
+def test_layouts_unknown_op_fails():
+    r = dsv4("layouts", "no_such_op")
+    assert r.returncode != 0 and "unknown op" in r.stderr
+
+
+def test_bench_unknown_op_exit_2():
+    r = dsv4("bench", "no_such_op")
+    assert r.returncode == 2 and "available" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ dsv4 run
+RUN_KEYS = {"config", "copy_bandwidth_gbps", "stages", "quality", "schema"}
+STAGE_KEYS = {"name", "op", "provider", "reason", "time_us", "bytes", "flops", "roofline", "pct_roofline",
+              "gbps", "tflops", "timing"}
+STAGES = ["kv_cache_append", "indexer_cache_write", "indexer_q_quant", "indexer_logits_paged", "topk",
+          "kv_gather", "sparse_attention"]
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    r = dsv4("run", "--no-progress", "--json", str(d / "run.json"), "--plot", str(d / "run.png"))
+    return r, d
+
+
+def test_run_cpu_reference_path_prints_the_table(cpu_run):
+    r, d = cpu_run
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "torch REFERENCE path" in r.stdout
+    for s in STAGES:
+        assert s in r.stdout
+    assert "top-k recall" in r.stdout and "cosine" in r.stdout
+    assert (d / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_json_schema_is_stable(cpu_run):
+    _, d = cpu_run
+    out = json.loads((d / "run.json").read_text())
+    assert set(out) == RUN_KEYS and out["schema"] == 1
+    assert out["config"]["reference_path"] is True and out["config"]["entries"] == out["config"]["context"] // 4
+    assert [s["name"] for s in out["stages"]] == STAGES
+    for s in out["stages"]:
+        assert set(s) == STAGE_KEYS and s["provider"] == "torch" and s["time_us"] > 0 and s["reason"]
+    q = out["quality"]
+    # the FP4 (MXFP4 + Hadamard) selection must be close to the FP32 one on the generated data
+    assert 0.9 < q["topk_recall_mean"] <= 1.0 and 0.99 < q["attn_cosine_mean"] <= 1.0
+
+
+def _write_inputs(path, B=1, S=512, next_n=1, drop=None, bad_shape=None):
+    import torch
+    from safetensors.torch import save_file
+    from dsv4.data import attention_kv, indexer_inputs
+    inp = indexer_inputs(next_n, S, seed=3)
+    _, kv, _ = attention_kv(inp, seed=3)
+    d = {"q": inp.q.repeat(B, 1, 1), "K": inp.k.unsqueeze(0).repeat(B, 1, 1), "w": inp.w.repeat(B, 1),
+         "kv": kv.unsqueeze(0).repeat(B, 1, 1)}
+    if drop:
+        d.pop(drop)
+    if bad_shape:
+        d[bad_shape] = d[bad_shape][..., :-1].contiguous()
+    save_file({k: v.contiguous() for k, v in d.items()}, str(path))
+
+
+def test_run_with_inputs_file(tmp_path):
+    f = tmp_path / "cap.safetensors"
+    _write_inputs(f, B=2, S=512, next_n=2)
+    r = dsv4("run", "--no-progress", "--inputs", str(f), "--json", str(tmp_path / "o.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "o.json").read_text())["config"]
+    assert (cfg["batch"], cfg["next_n"], cfg["entries"]) == (2, 2, 512)
+
+
+@pytest.mark.parametrize("drop,bad,needle", [
+    ("K", None, "missing 'K'"),
+    ("w", None, "missing 'w'"),
+    (None, "kv", "'kv' has shape"),
+    (None, "q", "'q' has shape"),
+])
+def test_bad_inputs_file_is_a_clear_error_exit_2(tmp_path, drop, bad, needle):
+    f = tmp_path / "bad.safetensors"
+    _write_inputs(f, drop=drop, bad_shape=bad)
+    r = dsv4("run", "--no-progress", "--inputs", str(f))
+    assert r.returncode == 2, (r.returncode, r.stderr[-1000:])
+    assert needle in r.stderr and "Required keys" in r.stderr
+
+
+def test_inputs_file_not_safetensors(tmp_path):
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(b"definitely not safetensors")
+    r = dsv4("run", "--inputs", str(f))
+    assert r.returncode == 2 and "not a readable safetensors file" in r.stderr
+    r = dsv4("run", "--inputs", str(tmp_path / "missing.safetensors"))
+    assert r.returncode == 2 and "no such file" in r.stderr
