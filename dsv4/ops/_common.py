@@ -24,3 +24,19 @@ def str_dtype(name: str) -> torch.dtype:
         return _BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown dtype name {name!r}; known {sorted(_BY_NAME)}") from None
+
+
+class GraphCase:
+    """A CUDA-graph test case of one op (used by tests/test_graph_capture.py through each op
+    module's ``graph_cases(device)``): static inputs, ``run()`` calls the public op on them and
+    returns a tensor (a clone of the mutated buffer for in-place ops), ``refresh()`` rewrites
+    the inputs in place (new data, same shapes). ``problem`` may be None: the test then probes
+    which providers can run the case by running it."""
+
+    def __init__(self, label: str, op: str, run, refresh, problem: dict | None = None):
+        self.label, self.op, self.run, self.refresh, self.problem = label, op, run, refresh, problem
+
+
+def bytes_of(*ts: torch.Tensor) -> torch.Tensor:
+    """All tensors' bytes concatenated (uint8), to compare several outputs bit for bit."""
+    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in ts])

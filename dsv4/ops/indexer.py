@@ -394,3 +394,58 @@ def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     """
     from .topk import topk
     return topk(logits, lengths, int(k))
+
+
+def graph_cases(device) -> list:
+    """CUDA-graph cases (MXFP4): cache write, q quant, prefill logits, paged decode logits."""
+    from ..data import indexer_inputs
+    from ..reference.indexer import quantize_rows
+    from ._common import GraphCase, bytes_of
+    dev = torch.device(device)
+    T, bs, nb, B, nn = 64, 64, 32, 2, 2
+    S = nb * bs
+    q = torch.empty(T, 64, 128, dtype=torch.bfloat16, device=dev)
+    k = torch.empty(S, 128, dtype=torch.bfloat16, device=dev)
+    w = torch.empty(T, 64, dtype=torch.float32, device=dev)
+    cache = torch.zeros(nb, bs, 68, dtype=torch.uint8, device=dev)
+    slots = torch.empty(S, dtype=torch.int64, device=dev)
+    k_data = torch.empty(S, 64, dtype=torch.uint8, device=dev)
+    k_sf = torch.empty(S, 4, dtype=torch.uint8, device=dev)
+    qd = torch.empty(T, 64, 64, dtype=torch.uint8, device=dev)
+    qs = torch.empty(T, 64, 4, dtype=torch.uint8, device=dev)
+    ks, ke, _ = indexer_prefill_ranges([4 * S // 2] * 2, device=dev)          # 2 packed sequences
+    ks, ke = ks[-T:].contiguous(), ke[-T:].contiguous()
+    lens = torch.empty(B, nn, dtype=torch.int32, device=dev)
+    bt = torch.empty(B, nb // B, dtype=torch.int32, device=dev)
+    gen = torch.Generator().manual_seed(41)
+
+    def refresh():
+        seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+        d = indexer_inputs(T, S, seed=seed, device=dev)
+        q.copy_(d.q)
+        k.copy_(d.k)
+        w.copy_(d.w)
+        slots.copy_(torch.randperm(S, generator=gen))
+        a, b = quantize_rows(d.k, "mxfp4", hadamard=True)
+        k_data.copy_(a)
+        k_sf.copy_(b)
+        a, b = quantize_rows(d.q, "mxfp4", hadamard=True)
+        qd.copy_(a)
+        qs.copy_(b)
+        lens.copy_(torch.randint(1, S // B + 1, (B, nn), generator=gen, dtype=torch.int32))
+        bt.copy_(torch.randperm(nb, generator=gen)[:bt.numel()].view(bt.shape).to(torch.int32))
+    refresh()
+
+    def cw():
+        indexer_cache_write(cache, k, slots, fmt="mxfp4", hadamard=True)
+        return cache.clone()
+    return [
+        GraphCase("indexer_cache_write-mxfp4", "indexer_cache_write", cw, refresh),
+        GraphCase("indexer_q_quant-mxfp4", "indexer_q_quant", lambda: bytes_of(*indexer_q_quant(q, w, fmt="mxfp4")),
+                  refresh),
+        GraphCase("indexer_logits-mxfp4", "indexer_logits",
+                  lambda: indexer_logits(qd, qs, w, k_data, k_sf, ks, ke, fmt="mxfp4"), refresh),
+        GraphCase("indexer_logits_paged-mxfp4", "indexer_logits_paged",
+                  lambda: indexer_logits_paged(qd[:B * nn].view(B, nn, 64, 64), qs[:B * nn].view(B, nn, 64, 4),
+                                               w[:B * nn], cache, lens, bt, fmt="mxfp4"), refresh),
+    ]

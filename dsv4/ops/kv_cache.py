@@ -562,3 +562,73 @@ def new_compress_state(batch: int, ratio: int, head_dim: int, device=None) -> tu
 
 
 __all__ = ["kv_cache_append", "kv_gather", "kv_compress_prefill", "kv_compress_decode", "new_compress_state"]
+
+
+def graph_cases(device) -> list:
+    """CUDA-graph cases: append (fp8_ds_mla), gather (SWA + top-k), CSA compress prefill (d=512)
+    and decode (state restored inside the case, so every call is the same step)."""
+    from ..reference.kv_cache import TOKEN_BYTES
+    from ..reference.rope import rope_cos_sin_table
+    from ._common import GraphCase, bytes_of
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(606)
+    nb, bs, N, T, K = 64, 64, 1024, 32, 512
+    cache = torch.zeros(nb, bs * TOKEN_BYTES, dtype=torch.uint8, device=dev)
+    swa = torch.zeros(T // 2 * 2, bs * TOKEN_BYTES, dtype=torch.uint8, device=dev)
+    kv = torch.empty(N, 512, dtype=torch.bfloat16, device=dev)
+    slots = torch.empty(N, dtype=torch.int64, device=dev)
+    bt = torch.empty(T, 16, dtype=torch.int32, device=dev)
+    idx = torch.empty(T, K, dtype=torch.int32, device=dev)
+    swa_bt = torch.arange(T * 2, dtype=torch.int32, device=dev).view(T, 2) % swa.shape[0]
+    swa_idx = torch.empty(T, 128, dtype=torch.int32, device=dev)
+    # compressor (ratio 4, d = 512: coff = 2)
+    lens = [64, 37]
+    cu = torch.tensor([0, 64, 101], dtype=torch.int32, device=dev)
+    ckv = torch.empty(101, 1024, device=dev)
+    csc = torch.empty(101, 1024, device=dev)
+    ape = torch.empty(4, 1024, device=dev)
+    nw = torch.empty(512, device=dev)
+    table = rope_cos_sin_table(256, device=dev)
+    cbt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=dev)
+    ccache = torch.zeros(4, 8 * TOKEN_BYTES, dtype=torch.uint8, device=dev)
+    dkv, dsc = torch.empty(2, 1024, device=dev), torch.empty(2, 1024, device=dev)
+    pos = torch.tensor([7, 3], device=dev)                  # (pos + 1) % 4 == 0: both emit an entry
+    st0 = new_compress_state(2, 4, 512, dev)
+    st = new_compress_state(2, 4, 512, dev)
+
+    def refresh():
+        x = torch.randn(N, 512, generator=gen) * 2
+        x[:, 7] *= 60
+        kv.copy_(x.to(torch.bfloat16))
+        slots.copy_(torch.randperm(nb * bs, generator=gen)[:N])
+        bt.copy_(torch.randint(-1, nb, (T, 16), generator=gen, dtype=torch.int32))
+        idx.copy_(torch.randint(-1, 16 * bs, (T, K), generator=gen, dtype=torch.int32))
+        swa_idx.copy_(torch.randint(-1, 128, (T, 128), generator=gen, dtype=torch.int32))
+        for t, s in ((ckv, 1.5), (csc, 2.0), (ape, 0.5), (dkv, 1.5), (dsc, 2.0)):
+            t.copy_(torch.randn(t.shape, generator=gen) * s)
+        nw.copy_(torch.rand(512, generator=gen) + 0.5)
+        for a in st0:
+            a.copy_(torch.randn(a.shape, generator=gen))
+
+    def append():
+        kv_cache_append(cache, kv, slots)
+        return cache.clone()
+
+    def gather():
+        return kv_gather(cache, bt, idx, swa_cache=swa, swa_block_table=swa_bt, swa_indices=swa_idx)
+
+    def prefill():
+        kv_compress_prefill(ckv, csc, ape, nw, table, cu, cbt, ccache)
+        return ccache.clone()
+
+    def decode():
+        st[0].copy_(st0[0])
+        st[1].copy_(st0[1])
+        kv_compress_decode(dkv, dsc, ape, nw, table, pos, cbt, ccache, st[0], st[1])
+        return bytes_of(ccache, st[0], st[1])
+    refresh()
+    append()                                  # fill the cache once so gathers read real entries
+    return [GraphCase("kv_cache_append-fp8_ds_mla", "kv_cache_append", append, refresh),
+            GraphCase("kv_gather-swa+topk", "kv_gather", gather, refresh),
+            GraphCase("kv_compress_prefill-c4-d512", "kv_compress_prefill", prefill, refresh),
+            GraphCase("kv_compress_decode-c4-d512", "kv_compress_decode", decode, refresh)]

@@ -549,3 +549,55 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, gate_weight: torch.Tensor, *, to
 
 __all__ = ["moe_prepare_weights", "moe_route", "moe_permute", "moe_combine", "moe_gemm1_swiglu", "moe_gemm2",
            "moe_experts", "moe_forward", "MoEWeights", "MoEGrouped", "w13_tile_permutation"]
+
+
+def graph_cases(device) -> list:
+    """CUDA-graph cases: router, and GEMM1 + SwiGLU / GEMM2 on a fixed grouping (MXFP4, FP8
+    activations, contiguous layout). ``moe_prepare_weights`` is an offline, load-time weight
+    conversion and is not meant for graphs (see NOT_GRAPH_OPS)."""
+    from ..formats import quantize_mxfp4
+    from ._common import GraphCase, bytes_of
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(909)
+    E, D, I, T, k = 8, 512, 256, 64, 2
+    w13f = torch.randn(E, 2 * I, D, generator=gen) * 0.02
+    w2f = torch.randn(E, D, I, generator=gen) * 0.02
+    a13, s13 = quantize_mxfp4(w13f)
+    a2, s2 = quantize_mxfp4(w2f)
+    W = moe_prepare_weights(a13.to(dev), s13.to(dev), a2.to(dev), s2.to(dev), fmt="mxfp4")
+    x = torch.empty(T, D, dtype=torch.bfloat16, device=dev)
+    gw = torch.empty(E, D, dtype=torch.float32, device=dev)
+    bias = torch.empty(E, dtype=torch.float32, device=dev)
+    idx = torch.empty(T, k, dtype=torch.int32, device=dev)
+    tw = torch.empty(T, k, dtype=torch.float32, device=dev)
+
+    def refresh():
+        v = torch.randn(T, D, generator=gen)
+        v[:, :4] *= 30
+        x.copy_(v.to(torch.bfloat16))
+        gw.copy_(torch.randn(E, D, generator=gen) * 0.05)
+        bias.copy_(torch.randn(E, generator=gen) * 0.1)
+        idx.copy_(torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32))
+        tw.copy_(torch.rand(T, k, generator=gen) + 0.1)
+    refresh()
+
+    def gemm1():
+        g = moe_permute(x, idx, tw, E, act="fp8", layout="contiguous")
+        h, hs = moe_gemm1_swiglu(g, W)
+        keep = g.pos.clamp_min(0)                # only rows that hold a (token, expert) pair:
+        rows = [h.view(torch.uint8)[keep]]       # padding rows of a group are unspecified
+        if hs is not None and hs.numel():
+            rows.append(hs.contiguous().view(torch.uint8)[keep])
+        return bytes_of(*(r * (g.pos >= 0).view(-1, 1).to(r.dtype) for r in rows))
+
+    def gemm2():
+        g = moe_permute(x, idx, tw, E, act="fp8", layout="contiguous")
+        h, hs = moe_gemm1_swiglu(g, W)
+        return moe_combine(moe_gemm2(h, hs, g, W), g.pos, T, k)
+    return [GraphCase("moe_route", "moe_route", lambda: bytes_of(*moe_route(x, gw, topk=k, bias=bias)), refresh),
+            GraphCase("moe_gemm1_swiglu-mxfp4-fp8", "moe_gemm1_swiglu", gemm1, refresh),
+            GraphCase("moe_gemm2-mxfp4-fp8", "moe_gemm2", gemm2, refresh)]
+
+
+#: ops that are not graph-captured by design, with the reason (tests/test_graph_capture.py)
+NOT_GRAPH_OPS = {"moe_prepare_weights": "offline weight conversion at load time (runs once per checkpoint)"}

@@ -152,3 +152,29 @@ def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: Optiona
 
 
 __all__ = ["topk"]
+
+
+def graph_cases(device) -> list:
+    """CUDA-graph cases: decode rows, and prefill rows with starts + block-table mapping."""
+    from ._common import GraphCase, bytes_of
+    dev = torch.device(device)
+    rows, n = 64, 16384
+    logits = torch.empty(rows, n, device=dev)
+    lengths = torch.empty(rows, dtype=torch.int32, device=dev)
+    starts = torch.empty(rows, dtype=torch.int32, device=dev)
+    bt = torch.empty(rows // 2, n // 64, dtype=torch.int32, device=dev)
+    gen = torch.Generator().manual_seed(77)
+
+    def refresh():
+        logits.copy_(torch.randn(rows, n, generator=gen).round(decimals=2))     # ties on purpose
+        lengths.copy_(torch.randint(0, n + 1, (rows,), generator=gen, dtype=torch.int32))
+        starts.copy_((lengths.cpu() * torch.rand(rows, generator=gen) * 0.5).to(torch.int32))
+        bt.copy_(torch.randperm(bt.numel(), generator=gen).view(bt.shape).to(torch.int32))
+    refresh()
+    return [
+        GraphCase("topk-decode-k512", "topk", lambda: bytes_of(*topk(logits, lengths, 512, return_scores=True)),
+                  refresh),
+        GraphCase("topk-prefill-mapped-k1024", "topk",
+                  lambda: topk(logits, lengths, 1024, starts=starts, block_table=bt, block_size=64, rows_per_seq=2),
+                  refresh),
+    ]
