@@ -17,7 +17,8 @@ __all__ = ["main"]
 
 def _console():
     from rich.console import Console
-    return Console(highlight=False, soft_wrap=False, width=max(120, int(os.environ.get("COLUMNS", "0") or 0)))
+    import shutil
+    return Console(highlight=False, soft_wrap=False, width=shutil.get_terminal_size((150, 24)).columns)
 
 
 def cmd_ops(args: argparse.Namespace) -> int:
@@ -59,7 +60,11 @@ def cmd_layouts(args: argparse.Namespace) -> int:
         else:
             print(f"wrote {len(stale)} file(s) under {d}" + ("" if stale else " (already up to date)"))
         return 0
-    ops = [get_op(n) for n in args.op] if args.op else all_ops()
+    try:
+        ops = [get_op(n) for n in args.op] if args.op else all_ops()
+    except KeyError as e:
+        print(f"dsv4 layouts: {e.args[0]}", file=sys.stderr)
+        return 2
     for op in ops:
         print(op.spec.text())
         print()
@@ -74,6 +79,11 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if not path.exists():
         avail = sorted(p.stem[len("bench_"):] for p in root.glob("bench_*.py"))
         print(f"dsv4 bench: no benchmark for {args.op!r}; available: {', '.join(avail)}", file=sys.stderr)
+        return 2
+    import torch
+    if not torch.cuda.is_available():
+        print(f"dsv4 bench {args.op}: benchmarks time the GPU kernels and need a CUDA GPU (none is visible). "
+              "On a CPU machine run `dsv4 run` (torch reference path) or the tests.", file=sys.stderr)
         return 2
     sys.argv = [str(path)] + rest
     runpy.run_path(str(path), run_name="__main__")
@@ -91,18 +101,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 kernels for Hopper")
+    p.add_argument("--version", action="version", version=f"dsv4-kernels {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="run one DSV4 CSA layer's sparse path end to end and print the stage table")
-    r.add_argument("--model", choices=("flash", "pro"), default="flash")
+    r.add_argument("--model", choices=("flash", "pro"), default="flash",
+                   help="DSV4-Flash (64 heads, top-512) or DSV4-Pro (128 heads, top-1024) shapes (default: flash)")
     r.add_argument("--context", type=int, default=None,
-                   help="context length in tokens (default: 32768 on GPU, 2048 on CPU)")
+                   help="context length in tokens per sequence, a multiple of 4 (default: 32768 on GPU, 8192 on CPU)")
     r.add_argument("--batch", type=int, default=None, help="decode batch size (default: 8 on GPU, 2 on CPU)")
     r.add_argument("--next-n", type=int, default=1, choices=(1, 2, 3, 4), help="queries per sequence (MTP)")
     r.add_argument("--format", choices=("mxfp4", "nvfp4", "fp8"), default="mxfp4", help="indexer key format")
     r.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default: 0)")
     r.add_argument("--json", metavar="PATH", help="write the results as JSON")
     r.add_argument("--plot", metavar="PATH", help="write a PNG time-breakdown / roofline chart")
     r.add_argument("--inputs", metavar="PATH", help="safetensors file of captured tensors (q, K, w, kv)")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -205,10 +206,13 @@ def _timer(device: torch.device, reps: int) -> Callable[[Callable[[], Any]], tup
 
 def _copy_bandwidth(device: torch.device) -> float:
     """Device-to-device copy, bytes read + written, GB/s (CPU: a memcpy of 256 MB)."""
-    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    n = (2 << 30) if device.type == "cuda" else (64 << 20)
     a = torch.empty(n // 4, dtype=torch.float32, device=device).uniform_()
     b = torch.empty_like(a)
-    us, _ = _timer(device, 10 if device.type == "cuda" else 3)(lambda: b.copy_(a))
+    for _ in range(20 if device.type == "cuda" else 1):   # let the clocks ramp up first
+        b.copy_(a)
+    us, _ = _timer(device, 20 if device.type == "cuda" else 3)(lambda: b.copy_(a))
+    del a, b
     return 2 * n / (us * 1e-6) / 1e9
 
 
@@ -233,12 +237,15 @@ def run_csa_layer(args: argparse.Namespace) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is visible")
     on_gpu = device.type == "cuda"
-    progress = not getattr(args, "no_progress", False)
+    progress = not getattr(args, "no_progress", False) and sys.stderr.isatty()
     m = MODELS[args.model]
-    context = args.context or (32768 if on_gpu else 8192)
-    B = args.batch or (8 if on_gpu else 2)
+    defaults = args.context is None and args.batch is None and not args.inputs
+    context = args.context if args.context is not None else (32768 if on_gpu else 8192)
+    B = args.batch if args.batch is not None else (8 if on_gpu else 2)
     if context < 4 * BLOCK or context % RATIO:
         raise InputError(f"--context must be a multiple of {RATIO} and >= {4 * BLOCK}, got {context}")
+    if B < 1:
+        raise InputError(f"--batch must be >= 1, got {B}")
 
     data = None
     if args.inputs:
@@ -256,8 +263,8 @@ def run_csa_layer(args: argparse.Namespace) -> dict:
               f"{torch.cuda.get_device_name(device) if on_gpu else 'CPU'}")
     print(banner)
     if not on_gpu:
-        print("No GPU: running the torch REFERENCE path of every op (small default size); the kernels run on a "
-              "Hopper GPU.")
+        print("No GPU: running the torch REFERENCE path of every op" + (" (small default size)" if defaults else "")
+              + "; the kernels run on a Hopper GPU.")
 
     if data is None:
         data = _generate(p, args.seed, progress)
@@ -381,12 +388,23 @@ def run_csa_layer(args: argparse.Namespace) -> dict:
            "schema": 1}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+            json.dump(_nan_to_none(out), f, indent=1, default=str, allow_nan=False)
         print(f"wrote {args.json}")
     if args.plot:
-        _plot(results, args.plot, banner)
+        _plot(results, args.plot, banner + ("" if on_gpu else " [torch reference path, CPU]"))
         print(f"wrote {args.plot}")
     return out
+
+
+def _nan_to_none(x: Any) -> Any:
+    """Strict JSON: NaN / inf -> null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_nan_to_none(v) for v in x]
+    return x
 
 
 def _why(ch) -> str:
@@ -432,25 +450,42 @@ def _quality(p: Problem, q, K, w, kv, kv_swa, q_attn, sink, lens, swa_idx, state
 
 
 def _print(results: list[StageResult], quality: dict, bw: float, on_gpu: bool) -> None:
+    import shutil
+
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    width = shutil.get_terminal_size((150, 24)).columns
+    wide = width >= 140                      # narrow terminals: reasons go below the table
     t = Table(title=f"stages (copy bandwidth {bw:.0f} GB/s" + (f", BF16 peak {BF16_PEAK_TFLOPS:.0f} TFLOP/s)"
                                                               if on_gpu else ", CPU)"))
-    for c, j in (("stage", "left"), ("provider", "left"), ("time", "right"), ("GB/s", "right"),
-                 ("TFLOP/s", "right"), ("% roofline", "right"), ("why this provider", "left")):
-        t.add_column(c, justify=j, overflow="fold")
+    cols = [("stage", "left", 20), ("provider", "left", 8), ("time", "right", 11), ("GB/s", "right", 6),
+            ("TFLOP/s", "right", 7), ("% roofline", "right", 10)] + ([("why this provider", "left", 20)] if wide else [])
+    for c, j, w in cols:
+        t.add_column(c, justify=j, overflow="fold", min_width=w, no_wrap=(c != "why this provider"))
     for r in results:
-        t.add_row(r.name, r.provider, f"{r.time_us:,.1f} us" + (" (eager)" if r.timing == "eager" else ""), f"{r.gbps:,.0f}",
-                  "-" if math.isnan(r.tflops) else f"{r.tflops:.1f}",
-                  f"{r.pct_roofline:.1f}% {'BW' if r.roofline == 'bw' else 'BF16'}", r.reason)
-    c = Console(width=160, highlight=False)
+        row = [r.name, r.provider, f"{r.time_us:,.1f} us" + (" (eager)" if r.timing == "eager" else ""), _g3(r.gbps),
+               "-" if math.isnan(r.tflops) else f"{r.tflops:.1f}",
+               f"{r.pct_roofline:.1f}% {'BW' if r.roofline == 'bw' else 'BF16'}"]
+        t.add_row(*(row + ([escape(r.reason)] if wide else [])))
+    c = Console(width=width, highlight=False)
     c.print(t)
+    if not wide:
+        for r in results:
+            c.print(f"  {r.name}: {r.provider}: {escape(r.reason)}")
     if on_gpu:
         c.print("times: median of CUDA-graph replays (kernel time without Python/launch overhead); "
                 "roofline = bytes / measured copy bandwidth, or FLOPs / BF16 peak for the attention stage")
+    else:
+        c.print("times: CPU wall clock of the torch reference (mean of the repetitions); the roofline columns "
+                "are only meaningful on a GPU")
     c.print(f"quality vs FP32 path: top-k recall mean {quality['topk_recall_mean']:.4f} "
             f"(min {quality['topk_recall_min']:.4f}); attention output cosine mean "
             f"{quality['attn_cosine_mean']:.6f} (min {quality['attn_cosine_min']:.6f})")
+
+
+def _g3(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def _plot(results: list[StageResult], path: str, title: str) -> None:

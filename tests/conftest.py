@@ -30,7 +30,7 @@ HAS_CUDA = _has_cuda()
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 via the device tool)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (sm_90a)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

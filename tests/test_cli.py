@@ -44,7 +44,7 @@ def test_layouts_prints_specs():
 
 def test_layouts_unknown_op_fails():
     r = dsv4("layouts", "no_such_op")
-    assert r.returncode != 0 and "unknown op" in r.stderr
+    assert r.returncode == 2 and "unknown op" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_unknown_op_exit_2():
@@ -135,3 +135,23 @@ def test_inputs_file_not_safetensors(tmp_path):
     assert r.returncode == 2 and "not a readable safetensors file" in r.stderr
     r = dsv4("run", "--inputs", str(tmp_path / "missing.safetensors"))
     assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_bench_without_gpu_is_a_clear_error():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    r = dsv4("bench", "topk")
+    assert r.returncode == 2 and "need a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [(["--batch", "0"], "--batch must be >= 1"),
+                                         (["--context", "100"], "--context must be a multiple")])
+def test_run_bad_sizes_exit_2(args, needle):
+    r = dsv4("run", "--no-progress", *args)
+    assert r.returncode == 2 and needle in r.stderr
+
+
+def test_version():
+    r = dsv4("--version")
+    assert r.returncode == 0 and "dsv4-kernels" in r.stdout

@@ -8,7 +8,7 @@ from ``CASES`` below, or from the op module itself: any ``dsv4/ops/<module>.py``
 ``graph_cases(device) -> list`` of such objects (so a new op adds itself without editing this
 file). The GPU test fails for a registered op that has no case.
 
-Checks, per case and per provider available on the GPU (dsl, cuda, torch):
+Checks, per case and per GPU provider available (dsl, cuda; the torch references are oracles, not required to be capturable):
 capture once, refresh the inputs, replay, and compare bit for bit with an eager call on the
 refreshed inputs (the graph must read the new data: no host-side state, no sync).
 """
@@ -144,9 +144,11 @@ def _not_graph_ops() -> dict[str, str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["dsl", "cuda", "torch"])
+@pytest.mark.parametrize("kind", ["dsl", "cuda"])
 def test_cuda_graph_capture_and_replay(kind):
-    """Per provider: capture once, refresh inputs in place, replay, compare with eager bit for bit."""
+    """Per GPU provider: capture once, refresh inputs in place, replay, compare with eager bit for
+    bit. The torch references are correctness oracles and are not required to be capturable
+    (several build constants on the host or sync); what runs on a GPU in production is dsl/cuda."""
     results = []
     for case in _cases("cuda"):
         if kind not in _kinds(case):

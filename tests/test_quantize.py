@@ -639,11 +639,12 @@ def test_gpu_launch_geometry_never_changes_results(tuning):
             x = _data(*shape, seed=7, specials=True, device="cuda")
             _check_nvfp4(x, "swizzled")
             _check_nvfp4(x, "linear", gdec=0.0021)
-            with registry.use(quantize_mxfp4="cuda"):
-                d, s = quantize_mxfp4(x)
-            rd, rs = F.quantize_mxfp4(x)
-            _eq(d, rd, "mxfp4 data")
-            _eq(s, rs, "mxfp4 scale")
+            if shape[1] % 32 == 0:                     # MXFP4 needs K % 32 == 0 (checked before launch)
+                with registry.use(quantize_mxfp4="cuda"):
+                    d, s = quantize_mxfp4(x)
+                rd, rs = F.quantize_mxfp4(x)
+                _eq(d, rd, "mxfp4 data")
+                _eq(s, rs, "mxfp4 scale")
             if shape[1] % 128 == 0:
                 _check_fp8(x, 128, "fp32", torch.float32)
     finally:

@@ -90,8 +90,16 @@ def e2m1_values(device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor
     Returns:
         ``[16]`` tensor of ``dtype`` on ``device``.
     """
-    lv = e2m1_levels(device, dtype)
-    return torch.cat([lv, -lv])
+    dev = torch.device(device) if device is not None else torch.empty(0).device
+    key = (dev, dtype)
+    lut = _LUTS.get(key)
+    if lut is None:   # built once per (device, dtype): no host->device copy on later calls
+        lv = e2m1_levels(dev, dtype)
+        lut = _LUTS[key] = torch.cat([lv, -lv])
+    return lut
+
+
+_LUTS: dict = {}
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
