@@ -29,19 +29,19 @@ def _sm_count(idx: int) -> int:
 
 
 def kernel_version() -> str:
-    """``DSV4_MOE_KERNEL``: ``v2`` (default: cp.async ring + smem decode, no-swizzle core-matrix
-    WGMMA operands; validated on the H200), ``v3`` (same + 128B-swizzled operands; compiled and
-    CPU-checked, NOT yet run on the GPU) or ``v1`` (register prefetch, no swizzle; validated)."""
+    """``DSV4_MOE_KERNEL``: ``v3`` (default: cp.async ring + smem decode, 128B-swizzled WGMMA
+    operands), ``v2`` (same with no-swizzle core-matrix operands) or ``v1`` (register prefetch, no
+    swizzle). All three pass the GPU tests on the H200 (2026-11-29); v3 is 1.1-1.8x faster."""
     v = os.environ.get("DSV4_MOE_KERNEL", DEFAULT_VERSION)
     if v not in ("v1", "v2", "v3"):
         raise ValueError(f"DSV4_MOE_KERNEL must be 'v1', 'v2' or 'v3', got {v!r}")
     return v
 
 
-DEFAULT_VERSION = "v2"  # v3 (128B swizzle) is opt-in until validated on the H200
+DEFAULT_VERSION = "v3"  # 128B-swizzled operands: GPU tests pass (H200, 2026-11-29) and 1.1-1.8x faster than v2
 
 
-def smem_bytes(act: str, E: int, version: str = "v2") -> int:
+def smem_bytes(act: str, E: int, version: str = DEFAULT_VERSION) -> int:
     kbytes = 128 if act == "fp8" else 256
     small = 2 * BN * 4 + 2 * BM * 4 + 4 * (E + 1)
     if version == "v1":
