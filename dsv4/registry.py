@@ -104,7 +104,7 @@ class Choice:
     forced: bool = False
 
     def explain(self) -> str:
-        parts = [f"{k}: {r}" for k, r in self.skipped]
+        parts = [r if r.startswith(f"{k}: ") else f"{k}: {r}" for k, r in self.skipped]
         parts.append(f"using {self.kind}" + (" (forced)" if self.forced else "") + f": {self.reason}")
         return "; ".join(parts)
 
