@@ -9,7 +9,6 @@ Commands:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 __all__ = ["main"]

@@ -16,9 +16,8 @@ that has it; every other occurrence and every expression is checked against the 
 from __future__ import annotations
 
 import ast
-import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch

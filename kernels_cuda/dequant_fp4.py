@@ -4,27 +4,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv4.registry import Provider, Support
+from dsv4.registry import Support
 
-from ._provider import cuda_available
+from ._provider import CudaProvider
 from .nvrtc import launch, load
 
 _FMT = {"mxfp4": 0, "nvfp4": 1}
 _OUT = {"bfloat16": 0, "float32": 1}
 
 
-class CudaDequantFp4(Provider):
-    kind = "cuda"
+class CudaDequantFp4(CudaProvider):
     describe = "dequant_fp4.cu: prmt byte-LUT E2M1 decode, warp-tiled coalesced 16 B stores"
 
-    def available(self):
-        return cuda_available()
-
-    def supports(self, problem, target):
-        if not target.is_cuda:
-            return Support.no("cuda: tensors are not on a CUDA device")
-        if target.arch != "sm_90a":
-            return Support.no(f"cuda: built for sm_90a only, device is {target.arch}")
+    def supports_problem(self, problem):
         if problem["K"] % 32:
             return Support.no(f"cuda: K={problem['K']} is not a multiple of 32 (one 16-byte chunk per thread)")
         return Support.yes("sm_90a, K % 32 == 0")

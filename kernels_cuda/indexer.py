@@ -19,9 +19,9 @@ import os
 import numpy as np
 import torch
 
-from dsv4.registry import Provider, Support
+from dsv4.registry import Support
 
-from ._provider import cuda_available
+from ._provider import CudaProvider
 from .nvrtc import launch, load, set_max_dynamic_smem
 
 _FMT = {"mxfp4": 0, "nvfp4": 1, "fp8": 2}
@@ -105,26 +105,12 @@ def _kernel(fmt: str, nq: int, paged: bool):
     return k, smem
 
 
-def _sm_ok(target) -> Support | None:
-    if not target.is_cuda:
-        return Support.no("cuda: tensors are not on a CUDA device")
-    if target.arch != "sm_90a":
-        return Support.no(f"cuda: WGMMA kernels are built for sm_90a only, device is {target.arch}")
-    return None
-
-
-class _Base(Provider):
-    kind = "cuda"
-
-    def available(self):
-        return cuda_available()
+class _Base(CudaProvider):
+    arch_requirement = "WGMMA kernels are built for sm_90a only"
 
 
 class CudaCacheWrite(_Base):
     describe = "indexer.cu indexer_quant_kernel: warp per row, shuffle FWHT, E2M1/E4M3 encode, paged store"
-
-    def supports(self, problem, target):
-        return _sm_ok(target) or Support.yes("sm_90a")
 
     def run(self, problem, *, cache, k, slot_mapping, global_scale):
         fmt = problem["fmt"]
@@ -141,9 +127,6 @@ class CudaCacheWrite(_Base):
 
 class CudaQQuant(_Base):
     describe = "indexer.cu indexer_quant_kernel (mode 1): warp per (t, h) row"
-
-    def supports(self, problem, target):
-        return _sm_ok(target) or Support.yes("sm_90a")
 
     def run(self, problem, *, q, w, global_scale):
         fmt = problem["fmt"]
@@ -165,9 +148,6 @@ class CudaQQuant(_Base):
 
 class CudaLogits(_Base):
     describe = "indexer.cu indexer_logits_kernel: WGMMA m64n256k16 BF16 (exact FP4/FP8 decode), fused ReLU x w head sum"
-
-    def supports(self, problem, target):
-        return _sm_ok(target) or Support.yes("sm_90a")
 
     def run(self, problem, *, q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global):
         fmt = problem["fmt"]
@@ -202,10 +182,7 @@ def decode_chunk_tiles(B: int, ntiles: int, capacity: int) -> int:
 class CudaPagedLogits(_Base):
     describe = "indexer.cu indexer_logits_kernel (paged): WGMMA m64n(64*next_n)k16 BF16, cp.async page ring"
 
-    def supports(self, problem, target):
-        s = _sm_ok(target)
-        if s is not None:
-            return s
+    def supports_problem(self, problem):
         if problem["block_size"] % 64:
             return Support.no(f"cuda: block_size {problem['block_size']} is not a multiple of 64")
         if not 1 <= problem["next_n"] <= 4:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv4.registry import Provider, Support
 
-from ._provider import cuda_available
+
+from ._provider import CudaProvider
 from .nvrtc import launch, load
 
 _NULL = np.uint64(0)
@@ -46,18 +46,8 @@ def _bs(cache: torch.Tensor, d: int) -> int:
     return cache.shape[1]
 
 
-class _Cuda(Provider):
-    kind = "cuda"
-
-    def available(self):
-        return cuda_available()
-
-    def supports(self, problem, target):
-        if not target.is_cuda:
-            return Support.no("cuda: tensors are not on a CUDA device")
-        if target.arch != "sm_90a":
-            return Support.no(f"cuda: built for sm_90a only, device is {target.arch}")
-        return Support.yes("sm_90a")
+class _Cuda(CudaProvider):
+    pass
 
 
 class CudaKvCacheAppend(_Cuda):

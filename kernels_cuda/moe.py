@@ -13,9 +13,9 @@ import os
 import numpy as np
 import torch
 
-from dsv4.registry import Provider, Support
+from dsv4.registry import Support
 
-from ._provider import cuda_available
+from ._provider import CudaProvider
 from .nvrtc import launch, load, set_max_dynamic_smem
 
 BM, BN, BK = 64, 256, 128
@@ -73,17 +73,10 @@ def _grid(R: int, E: int, n_tiles: int, device) -> int:
     return max(1, min(mt_upper * n_tiles, _sm_count(device.index or 0)))
 
 
-class _CudaMoEBase(Provider):
-    kind = "cuda"
+class _CudaMoEBase(CudaProvider):
+    arch_requirement = "WGMMA kernel built for sm_90a only"
 
-    def available(self):
-        return cuda_available()
-
-    def supports(self, problem, target):
-        if not target.is_cuda:
-            return Support.no("cuda: tensors are not on a CUDA device")
-        if target.arch != "sm_90a":
-            return Support.no(f"cuda: WGMMA kernel built for sm_90a only, device is {target.arch}")
+    def supports_problem(self, problem):
         if problem["K"] % BK:
             return Support.no(f"cuda: K={problem['K']} is not a multiple of {BK}")
         if problem["N"] % BN:

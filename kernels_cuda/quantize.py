@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from dsv4.formats import E2M1_NAN_CODE
-from dsv4.registry import Provider, Support
+from dsv4.registry import Support
 
-from ._provider import cuda_available
+from ._provider import CudaProvider, target_support
 from .nvrtc import launch, load
 
 _IN = {"bfloat16": 0, "float16": 1}
@@ -63,10 +63,9 @@ def _geometry(n_chunks: int, device: torch.device, pad_words: int = 0) -> tuple[
 
 
 def _common_supports(problem, target, k_mult: int) -> Support:
-    if not target.is_cuda:
-        return Support.no("cuda: tensors are not on a CUDA device")
-    if target.arch != "sm_90a":
-        return Support.no(f"cuda: built for sm_90a only, device is {target.arch}")
+    base = target_support(target)
+    if base is not None:
+        return base
     if problem.get("in_dtype", "bfloat16") not in _IN:
         return Support.no(f"cuda: input dtype {problem['in_dtype']} (kernels read bf16/fp16)")
     if problem["K"] % k_mult:
@@ -74,11 +73,8 @@ def _common_supports(problem, target, k_mult: int) -> Support:
     return Support.yes("sm_90a, bf16/fp16, 16-byte chunks")
 
 
-class _CudaBase(Provider):
-    kind = "cuda"
-
-    def available(self):
-        return cuda_available()
+class _CudaBase(CudaProvider):
+    pass
 
 
 class CudaQuantizeNvfp4(_CudaBase):

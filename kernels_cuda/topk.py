@@ -18,9 +18,9 @@ import os
 import numpy as np
 import torch
 
-from dsv4.registry import Provider, Support
+from dsv4.registry import Support
 
-from ._provider import cuda_available
+from ._provider import CudaProvider
 from .nvrtc import launch, load, set_max_dynamic_smem
 
 CAP = 8192          # candidate buffer entries (threshold bin); larger bins re-read the row
@@ -97,18 +97,11 @@ def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, 
     return out_idx, out_sc
 
 
-class CudaTopk(Provider):
-    kind = "cuda"
+class CudaTopk(CudaProvider):
     describe = "topk.cu: cluster radix select (fp16-bucket pass + composite-key refinement), bitonic sort"
+    arch_requirement = "built for sm_90a only (thread-block clusters, DSMEM)"
 
-    def available(self):
-        return cuda_available()
-
-    def supports(self, problem, target):
-        if not target.is_cuda:
-            return Support.no("cuda: tensors are not on a CUDA device")
-        if target.arch != "sm_90a":
-            return Support.no(f"cuda: built for sm_90a only (thread-block clusters, DSMEM), device is {target.arch}")
+    def supports_problem(self, problem):
         if not 1 <= problem["k"] <= KMAX:
             return Support.no(f"cuda: k={problem['k']} outside 1..{KMAX}")
         return Support.yes("sm_90a, k <= 2048")

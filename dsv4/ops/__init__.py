@@ -17,6 +17,6 @@ for _m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         continue
     _mod = importlib.import_module(f"{__name__}.{_m.name}")
     for _name in getattr(_mod, "__all__", ()):
-        if not _name.isupper() and _name not in ("str_dtype",):
+        if not _name.isupper():
             globals()[_name] = getattr(_mod, _name)
             __all__.append(_name)

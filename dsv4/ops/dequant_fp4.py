@@ -12,7 +12,7 @@ import torch
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, register
 from ..target import Target
-from ._common import dtype_name, str_dtype
+from ._common import dtype_name
 
 FORMATS = {"mxfp4": 32, "nvfp4": 16}
 _SCALE_DTYPE = {"mxfp4": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}

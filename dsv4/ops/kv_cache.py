@@ -582,8 +582,7 @@ def graph_cases(device) -> list:
     swa_bt = torch.arange(T * 2, dtype=torch.int32, device=dev).view(T, 2) % swa.shape[0]
     swa_idx = torch.empty(T, 128, dtype=torch.int32, device=dev)
     # compressor (ratio 4, d = 512: coff = 2)
-    lens = [64, 37]
-    cu = torch.tensor([0, 64, 101], dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 64, 101], dtype=torch.int32, device=dev)       # two sequences: 64 and 37 tokens
     ckv = torch.empty(101, 1024, device=dev)
     csc = torch.empty(101, 1024, device=dev)
     ape = torch.empty(4, 1024, device=dev)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..layout import LayoutError, OpSpec, Param, TensorSpec
+from ..layout import OpSpec, Param, TensorSpec
 from ..registry import Op, register
 from ..target import Target
 
