@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["time_cuda", "copy_bandwidth", "env_info", "print_table", "save_json", "FP8_PEAK_TFLOPS",
+__all__ = ["time_cuda", "time_graph", "copy_bandwidth", "env_info", "print_table", "save_json", "FP8_PEAK_TFLOPS",
            "BF16_PEAK_TFLOPS", "rotating"]
 
 #: Dense tensor-core peaks measured on the project's H200 (shared/reference/anchors.md section 4 and
@@ -58,6 +58,36 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 50, graph:
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def time_graph(fns: Sequence[Callable[[], Any]], iters: int = 40, reps: int = 15) -> float:
+    """Median microseconds per call of ``fns[i % len(fns)]`` replayed inside one CUDA graph of
+    ``iters`` calls (rotate ``fns`` over input copies larger than L2 for memory-bound kernels)."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                 # warm-up (module loads, compiles) off the capture
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(iters):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / iters)
+    return statistics.median(ts)
 
 
 def rotating(make: Callable[[int], Any], total_bytes_each: int, min_total: int = 256 << 20) -> list:

@@ -26,36 +26,13 @@ import torch
 from bench._util import FP8_PEAK_TFLOPS, copy_bandwidth, print_table, save_json
 from dsv4.ops.indexer import FORMATS, indexer_logits, indexer_logits_paged, indexer_topk
 from dsv4.registry import use
+from bench._util import time_graph as _time_graph
 
 H, D = 64, 128
 
 
 def time_graph(fns, iters: int = 24, reps: int = 9) -> float:
-    """Median microseconds per call of fns[i % len(fns)] replayed inside one CUDA graph."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(ts)
+    return _time_graph(fns, iters, reps)
 
 
 def time_eager(fn, iters: int = 5) -> float:

@@ -15,11 +15,11 @@ timed with CUDA events, median.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from bench._util import copy_bandwidth, print_table, save_json, time_cuda
+from bench._util import time_graph as _time_graph
 from dsv4 import registry
 from dsv4.ops.kv_cache import kv_cache_append, kv_compress_decode, kv_compress_prefill, kv_gather, new_compress_state
 from dsv4.reference import kv_cache as ref
@@ -29,32 +29,7 @@ ITERS, REPS = 20, 15
 
 
 def time_graph(fns, iters: int = ITERS, reps: int = REPS) -> float:
-    """Median microseconds per call of fns[i % len(fns)] replayed in one CUDA graph."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(ts)
+    return _time_graph(fns, iters, reps)
 
 
 def n_sets(bytes_each: int, min_total: int = 256 << 20) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import statistics
 import time
 
 import torch

@@ -10,60 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+
+from bench._util import copy_bandwidth, time_graph
 
 SHAPES = [(64, 65536, 512), (64, 131072, 1024), (1, 129280, 1024), (128, 8192, 512)]
 # (cluster CTAs per row, threads, append scheme)
 CONFIGS = [(1, 512, 1), (2, 512, 1), (4, 512, 1), (8, 512, 1), (1, 1024, 1), (2, 1024, 1), (4, 1024, 1), (8, 1024, 1),
            (1, 512, 0), (2, 1024, 0), (8, 1024, 0)]
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 28  # 1 GiB fp32
-    a = torch.empty(n, device="cuda")
-    b = torch.empty(n, device="cuda")
-    for _ in range(3):
-        b.copy_(a)
-    ts = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e-3)
-    del a, b
-    return 2 * n * 4 / statistics.median(ts)  # bytes/s
-
-
-def time_graph(fns, iters: int = 40, reps: int = 15) -> float:
-    """Median microseconds per call of fns[i % len(fns)] replayed in one CUDA graph."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(ts)
 
 
 def main():
@@ -75,7 +30,7 @@ def main():
     from dsv4.reference.topk import topk_ref
     from dsv4.target import Target
     sm = Target.of(torch.device("cuda")).sm_count
-    bw = copy_bandwidth()
+    bw = copy_bandwidth() * 1e9                       # bytes/s (read + write)
     res = {"gpu": torch.cuda.get_device_name(), "sm_count": sm, "copy_bw_GBps": bw / 1e9, "rows": []}
     print(f"# {res['gpu']}, {sm} SMs, d2d copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     for rows, n, k in SHAPES:
