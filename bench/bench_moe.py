@@ -17,18 +17,12 @@ import time
 
 import torch
 
+from bench._util import copy_bandwidth, time_graph
+
 
 def bench(fn, warmup=3, rep=20):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
-
-
-def copy_bandwidth():
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a), rep=50)
-    return 2 * n / (t * 1e-6) / 1e9  # GB/s (read + write)
 
 
 def fp8_peak():
@@ -86,17 +80,7 @@ def grouped(E, D, act, counts, layout, max_m=None):
 
 def bench_graph(fn):
     """Time ``fn`` replayed from a CUDA graph (no Python / dispatch overhead, as in decode serving)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay)
+    return time_graph([fn], iters=10, reps=20)
 
 
 def run_gemms(g, W):

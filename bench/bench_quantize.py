@@ -18,7 +18,7 @@ import torch
 
 import dsv4.formats as F
 import kernels_cuda.quantize as kq
-from bench._util import copy_bandwidth, print_table, rotating, save_json, time_cuda
+from bench._util import copy_bandwidth, print_table, rotating, save_json, time_cuda, time_graph
 from dsv4 import registry
 from dsv4.ops import dequantize_fp8_block, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 
@@ -34,18 +34,7 @@ def _x(M, K, seed):
 
 def graph_time(fns, iters=20) -> float:
     """Median us per call of a CUDA graph that runs every fn in ``fns`` once (rotating inputs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(s)
-    return time_cuda(g.replay, warmup=3, iters=iters) / len(fns)
+    return time_graph(fns, iters=len(fns), reps=iters)
 
 
 OPS = {
