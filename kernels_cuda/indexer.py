@@ -7,6 +7,12 @@
   FP4/FP8 keys decoded exactly to BF16 in shared memory, cp.async key ring, ReLU + head-weighted
   sum fused in the epilogue. One launch for the whole batch; no host sync (graph capturable).
 
+No CuTe DSL provider yet: the logits kernel decodes FP4/FP8 keys exactly into 128B-swizzled
+shared memory with per-block scales folded in (prmt / bit placement), runs hand-built WGMMA
+descriptors on that tile and fuses ReLU + the head-weighted reduction across the accumulator
+fragment; it was written directly in CUDA C++ for control over that decode layout (a DSL port is
+a follow-up).
+
 Status (2026-11-29): both configurations pass every GPU gate of tests/test_indexer.py on the
 H200. The tuned one (default; ``DSV4_INDEXER_TUNED=0`` selects the first one) is 1.2-1.3x
 faster (decode B=32 x 32768 entries MXFP4 88.8 vs 115 us; prefill 431 vs 367 TFLOP/s) and makes

@@ -9,6 +9,11 @@
   stream-safe.
 * ``quantize_mxfp4`` / ``quantize_fp8_block``: one launch. ``dequantize_fp8_block``: one launch.
 
+No CuTe DSL provider yet: the encode is bit-exact round-half-to-even E2M1 by magic-add float
+tricks plus prmt byte assembly, and the two-launch NVFP4 path reduces the amax partials in the
+quantize kernel's prologue; the DSL truncates float->int conversions (cutedsl_guide.md wall 5)
+and a DSL port with the same bit-exactness was not attempted in the first session (follow-up).
+
 Launch geometry: a warp owns 2048-element tiles (8 x 16-byte loads per lane), persistent
 grid-stride loop, CTAs of up to 8 warps, at most ``TUNING["ctas_per_sm"]`` x 256 threads per SM.
 """
