@@ -55,7 +55,8 @@ def test_errors_name_the_argument(over, needle):
 
 
 def test_optional_operand_may_be_absent():
-    SPEC.validate(_ok(sf=None))
+    env = SPEC.validate(_ok(sf=None))
+    assert env["M"] == 5 and env["K"] == 128
 
 
 @given(st.integers(0, 10_000), st.integers(1, 300))
