@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Mapping
 from .target import Target
 
 __all__ = [
-    "Support", "Provider", "Op", "Choice", "ProviderUnavailableError", "register", "get_op",
+    "Support", "Provider", "TorchProvider", "Op", "Choice", "ProviderUnavailableError", "register", "get_op",
     "all_ops", "use", "KINDS", "last_choice",
 ]
 
@@ -92,6 +92,17 @@ class Provider:
 
     def run(self, problem: Mapping[str, Any], **args: Any) -> Any:  # pragma: no cover
         raise NotImplementedError
+
+
+class TorchProvider(Provider):
+    """Base of the plain-torch references (kind ``torch``): they run any problem on any device."""
+
+    kind = "torch"
+    #: the reason ``supports`` gives
+    support_reason = "reference, any device"
+
+    def supports(self, problem: Mapping[str, Any], target: Target) -> Support:
+        return Support.yes(self.support_reason)
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import e2m1_decode, unpack_e2m1, ue8m0_decode
-from ..registry import Provider, Support
+from ..registry import TorchProvider
 
 
 def dequant_fp4_ref(data: torch.Tensor, scale: torch.Tensor, fmt: str, global_scale: torch.Tensor | None,
@@ -19,12 +19,8 @@ def dequant_fp4_ref(data: torch.Tensor, scale: torch.Tensor, fmt: str, global_sc
     return out.to(out_dtype)
 
 
-class TorchDequantFp4(Provider):
-    kind = "torch"
+class TorchDequantFp4(TorchProvider):
     describe = "torch reference (LUT decode, fp32 math)"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
 
     def run(self, problem, *, data, scale, global_scale):
         from ..ops._common import str_dtype

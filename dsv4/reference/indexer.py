@@ -30,7 +30,7 @@ import torch
 
 from ..formats import (dequantize_mxfp4, e2m1_decode, quantize_fp8_block,
                        quantize_mxfp4, quantize_nvfp4, unpack_e2m1)
-from ..registry import Provider, Support
+from ..registry import TorchProvider
 from .hadamard import hadamard_fwht
 
 __all__ = ["FORMATS", "HEADS", "DIM", "quantize_rows", "dequantize_rows", "cache_write_ref",
@@ -217,34 +217,22 @@ def causal_ranges(seq_lens: list[int], ratio: int = 4, device=None) -> tuple[tor
 
 # ------------------------------------------------------------------------------------------
 # providers
-class TorchCacheWrite(Provider):
-    kind = "torch"
+class TorchCacheWrite(TorchProvider):
     describe = "torch reference (formats quantizers, boolean slot select: not graph capturable)"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
 
     def run(self, problem, *, cache, k, slot_mapping, global_scale):
         cache_write_ref(cache, k, slot_mapping, problem["fmt"], global_scale, problem["hadamard"])
 
 
-class TorchQQuant(Provider):
-    kind = "torch"
+class TorchQQuant(TorchProvider):
     describe = "torch reference"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
 
     def run(self, problem, *, q, w, global_scale):
         return q_quant_ref(q, w, problem["fmt"], problem["hadamard"], global_scale)
 
 
-class TorchLogits(Provider):
-    kind = "torch"
+class TorchLogits(TorchProvider):
     describe = "torch reference (dequantize, fp64 einsum, ReLU, weighted head sum)"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
 
     def run(self, problem, *, q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global):
         fmt = problem["fmt"]
@@ -255,12 +243,8 @@ class TorchLogits(Provider):
         return logits_ref(qr, w, kr, ks, ke)
 
 
-class TorchPagedLogits(Provider):
-    kind = "torch"
+class TorchPagedLogits(TorchProvider):
     describe = "torch reference (gather pages, dequantize, fp64 einsum; host loop over the batch)"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
 
     def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
         fmt = problem["fmt"]

@@ -30,7 +30,7 @@ import torch
 from ..formats.e2m1 import e2m1_decode, unpack_e2m1
 from ..formats.mxfp4 import finite_absmax, quantize_mxfp4
 from ..formats.scales import ue8m0_ceil, ue8m0_decode
-from ..registry import Provider, Support
+from ..registry import TorchProvider
 from .hadamard import hadamard_fwht
 from .rope import apply_rope
 
@@ -317,28 +317,21 @@ def kv_compress_decode_ref(kv, score, ape, norm_weight, rope_cos_sin, positions,
 
 
 # ------------------------------------------------------------------------------ providers
-class _Torch(Provider):
-    kind = "torch"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
-
-
-class TorchKvCacheAppend(_Torch):
+class TorchKvCacheAppend(TorchProvider):
     describe = "torch reference: act_quant(block 64, ue8m0) + scatter"
 
     def run(self, problem, *, cache, kv, slot_mapping):
         kv_cache_append_ref(cache, kv, slot_mapping)
 
 
-class TorchKvGather(_Torch):
+class TorchKvGather(TorchProvider):
     describe = "torch reference: block_table lookup + dequant, -1 -> zeros"
 
     def run(self, problem, *, cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices):
         return kv_gather_ref(cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices)
 
 
-class TorchKvCompressPrefill(_Torch):
+class TorchKvCompressPrefill(TorchProvider):
     describe = "torch reference: model.py Compressor (softmax pooling, RMSNorm, RoPE, quant)"
 
     def run(self, problem, *, kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
@@ -347,7 +340,7 @@ class TorchKvCompressPrefill(_Torch):
                                 kv_state, score_state, problem["eps"])
 
 
-class TorchKvCompressDecode(_Torch):
+class TorchKvCompressDecode(TorchProvider):
     describe = "torch reference: model.py Compressor decode step"
 
     def run(self, problem, *, kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import dequantize_fp8_block, e2m1_decode, quantize_fp8_block, ue8m0_decode, unpack_e2m1
-from ..registry import Provider, Support
+from ..registry import TorchProvider
 
 
 def dequant_fp4_weight(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -168,46 +168,32 @@ def gemm2_ref(h, h_s, w2, w2_scale, g2, row_start, row_count, fmt):
     return y
 
 
-class TorchMoERoute(Provider):
-    kind = "torch"
+class TorchMoERoute(TorchProvider):
     describe = "torch: fp32 router GEMM, sqrt(softplus), topk (device-side, no sync)"
-
-    def supports(self, problem, target):
-        return Support.yes("torch, any device")
+    support_reason = "torch, any device"
 
     def run(self, problem, *, x, gate_weight, bias, input_ids, tid2eid, topk, route_scale):
         return route_ref(x, gate_weight, bias, input_ids, tid2eid, topk, route_scale)
 
 
-class TorchMoEPrepare(Provider):
-    kind = "torch"
+class TorchMoEPrepare(TorchProvider):
     describe = "torch: index_select tile reordering + .view(uint8) scale bytes"
-
-    def supports(self, problem, target):
-        return Support.yes("torch, any device")
+    support_reason = "torch, any device"
 
     def run(self, problem, **kw):
         from ..ops.moe import prepare_impl
         return prepare_impl(problem, **kw)
 
 
-class TorchMoEGemm1(Provider):
-    kind = "torch"
+class TorchMoEGemm1(TorchProvider):
     describe = "torch oracle: fp32 dequant + matmul per expert (host loop; syncs)"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
 
     def run(self, problem, *, a, a_s, w13, w13_scale, g13, row_start, row_count, route_w):
         return gemm1_swiglu_ref(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, problem["fmt"])
 
 
-class TorchMoEGemm2(Provider):
-    kind = "torch"
+class TorchMoEGemm2(TorchProvider):
     describe = "torch oracle: fp32 dequant + matmul per expert (host loop; syncs)"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
 
     def run(self, problem, *, h, h_s, w2, w2_scale, g2, row_start, row_count):
         return gemm2_ref(h, h_s, w2, w2_scale, g2, row_start, row_count, problem["fmt"])

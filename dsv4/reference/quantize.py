@@ -6,14 +6,11 @@ from __future__ import annotations
 import torch
 
 from .. import formats as F
-from ..registry import Provider, Support
+from ..registry import TorchProvider
 
 
-class _TorchBase(Provider):
-    kind = "torch"
-
-    def supports(self, problem, target):
-        return Support.yes("reference (dsv4.formats), any device")
+class _TorchBase(TorchProvider):
+    support_reason = "reference (dsv4.formats), any device"
 
 
 class TorchQuantizeNvfp4(_TorchBase):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..registry import Provider, Support
+from ..registry import TorchProvider
 
 _NEG_INF = float("-inf")
 
@@ -68,12 +68,8 @@ def topk_ref(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Option
     return idx.to(torch.int32), scores.to(torch.float32)
 
 
-class TorchTopk(Provider):
-    kind = "torch"
+class TorchTopk(TorchProvider):
     describe = "torch reference (int64 composite key sort, exact ties)"
-
-    def supports(self, problem, target):
-        return Support.yes("reference, any device")
 
     def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq):
         return topk_ref(logits, lengths, k, starts, block_table, block_size, rows_per_seq)
