@@ -92,6 +92,17 @@ DSV4_DEVICE void wgmma_m64n128k32_e4m3(float* d, u64 da, u64 db, int scale_d) {
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// as wgmma_m64n128k32_e4m3, executed only when guard != 0 (guard must be warpgroup-uniform): a
+// predicated instruction instead of a branch, so ptxas does not serialize the WGMMAs (C7519).
+DSV4_DEVICE void wgmma_m64n128k32_e4m3_if(float* d, u64 da, u64 db, int scale_d, int guard) {
+  asm volatile(
+      "{\n.reg .pred p, g;\nsetp.ne.b32 p, %66, 0;\nsetp.ne.b32 g, %67, 0;\n"
+      "@g wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d), "r"(guard));
+}
+
 DSV4_DEVICE void wgmma_m64n128k16_bf16(float* d, u64 da, u64 db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -138,3 +149,69 @@ DSV4_DEVICE void cp_async8(u32 saddr, const void* g) {
 }
 template <int N>
 DSV4_DEVICE void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+// ---------------------------------------------------------------------------------------
+// NVFP4 under W4A8, exact two-term split. A decoded weight v = level * f (f = sf * 2^-base, the
+// E4M3 block scale relative to the 128-K block base, f < 64) has <= 6 significant bits (level: <= 2,
+// sf: <= 4). hi = e4m3_rn(v) keeps the top 4; lo = v - hi (exact in fp32) satisfies |lo| <= ulp(hi)/2
+// and is a multiple of u = 2^lsb(v), so lo is in {0, +-u, +-2u}: exact in E4M3 while u >= 2^-9 (the
+// smallest E4M3 subnormal). Then hi + lo == v exactly (moe.cu header: the condition per block).
+// LUT byte i (level i) of the lo table; the weight's sign is applied by XOR (lo may be negative).
+DSV4_DEVICE void e2m1_e4m3_lut_lo(float f, u32& lut_a, u32& lut_b) {
+  const u32 h0 = f32x2_to_e4m3x2(0.0f, 0.5f * f), h1 = f32x2_to_e4m3x2(f, 1.5f * f);
+  const u32 h2 = f32x2_to_e4m3x2(2.0f * f, 3.0f * f), h3 = f32x2_to_e4m3x2(4.0f * f, 6.0f * f);
+  float a0, a1, b0, b1, c0, c1, d0, d1;
+  e4m3x2_to_f32x2(h0, a0, a1);
+  e4m3x2_to_f32x2(h1, b0, b1);
+  e4m3x2_to_f32x2(h2, c0, c1);
+  e4m3x2_to_f32x2(h3, d0, d1);
+  lut_a = f32x2_to_e4m3x2(0.0f - a0, 0.5f * f - a1) | (f32x2_to_e4m3x2(f - b0, 1.5f * f - b1) << 16);
+  lut_b = f32x2_to_e4m3x2(2.0f * f - c0, 3.0f * f - c1) | (f32x2_to_e4m3x2(4.0f * f - d0, 6.0f * f - d1) << 16);
+}
+// as e2m1x8_to_e4m3x8_v2, sign applied by XOR (for LUT entries that may carry a sign)
+DSV4_DEVICE void e2m1x8_to_e4m3x8_xs(u32 w, u32 lut_a, u32 lut_b, u32& o0, u32& o1) {
+  const u32 idx = w & 0x77777777u;
+  const u32 m0 = prmt(lut_a, lut_b, idx);
+  const u32 m1 = prmt(lut_a, lut_b, idx >> 16);
+  const u32 u0 = prmt(w, 0u, 0x1100u);
+  const u32 u1 = prmt(w, 0u, 0x3322u);
+  o0 = m0 ^ ((((u0 << 4) & 0x00FF00FFu) | (u0 & 0xFF00FF00u)) & 0x80808080u);
+  o1 = m1 ^ ((((u1 << 4) & 0x00FF00FFu) | (u1 & 0xFF00FF00u)) & 0x80808080u);
+}
+// true when the E4M3 byte (sign ignored) is zero or a power of two (then lo == 0 for every level)
+DSV4_DEVICE bool e4m3_is_pow2_or_zero(u32 b) {
+  b &= 0x7Fu;
+  const u32 ex = b >> 3, m = b & 7u;
+  return ex != 0u ? m == 0u : (m & (m - 1u)) == 0u;
+}
+
+// ---------------------------------------------------------------------------------------
+// mbarriers (v4 warp-specialized pipeline), named barriers, register reallocation
+DSV4_DEVICE void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+DSV4_DEVICE void mbar_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
+}
+DSV4_DEVICE bool mbar_try_wait(u32 bar, u32 parity) {
+  u32 ok;
+  asm volatile(
+      "{\n.reg .pred P1;\nmbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\nselp.u32 %0, 1, 0, P1;\n}\n"
+      : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  return ok != 0u;
+}
+// wait for the phase with the given parity to complete; traps after ~2^34 cycles (~10 s): a
+// pipeline bug must fail the launch, never hang the device
+DSV4_DEVICE void mbar_wait(u32 bar, u32 parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const long long t0 = clock64();
+  while (!mbar_try_wait(bar, parity))
+    if (clock64() - t0 > (1ll << 34)) __trap();
+}
+DSV4_DEVICE void named_bar_sync(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
+}
+template <int N>
+DSV4_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N)); }
+template <int N>
+DSV4_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }

@@ -22,6 +22,7 @@ from dsv4.registry import Support
 
 from ._provider import CudaProvider
 from .nvrtc import launch, load, set_max_dynamic_smem
+from . import moe_decode  # decode path (few rows per expert): moe_decode.cu; DSV4_MOE_DECODE=0 disables
 
 BM, BN, BK = 64, 256, 128
 _FMT = {"mxfp4": 0, "nvfp4": 1}
@@ -34,41 +35,81 @@ def _sm_count(idx: int) -> int:
 
 
 def kernel_version() -> str:
-    """``DSV4_MOE_KERNEL``: ``v3`` (default: cp.async ring + smem decode, 128B-swizzled WGMMA
-    operands), ``v2`` (same with no-swizzle core-matrix operands) or ``v1`` (register prefetch, no
-    swizzle). All three pass the GPU tests on the H200 (2026-11-29); v3 is 1.1-1.8x faster."""
+    """``DSV4_MOE_KERNEL``: ``v4`` (default: warp-specialized producer/consumer warpgroups through
+    mbarriers, 128-row tiles; FP8 activations only, W4A16 runs v3), ``v3`` (cp.async ring + smem
+    decode by the WGMMA warps, 128B-swizzled operands), ``v2`` (v3 with no-swizzle operands) or ``v1``
+    (register prefetch, no swizzle). All pass the GPU tests on the H200 (2026-11-29); W4A8 prefill:
+    v4 is 1.6-1.7x faster than v3, v3 1.1-1.8x faster than v2.
+    Per (act, fmt) the kernel actually run is :func:`effective_version`."""
     v = os.environ.get("DSV4_MOE_KERNEL", DEFAULT_VERSION)
-    if v not in ("v1", "v2", "v3"):
-        raise ValueError(f"DSV4_MOE_KERNEL must be 'v1', 'v2' or 'v3', got {v!r}")
+    if v not in ("v1", "v2", "v3", "v4"):
+        raise ValueError(f"DSV4_MOE_KERNEL must be 'v1', 'v2', 'v3' or 'v4', got {v!r}")
     return v
 
 
-DEFAULT_VERSION = "v3"  # 128B-swizzled operands: GPU tests pass (H200, 2026-11-29) and 1.1-1.8x faster than v2
+def effective_version(act: str, fmt: str, version: str | None = None) -> str:
+    """The kernel run for ``(act, fmt)``: v4 has no BF16 (W4A16) path -> v3; v1 has no exact NVFP4
+    W4A8 path (hi + lo split, moe.cu) -> v2."""
+    v = version or kernel_version()
+    if v == "v4" and act != "fp8":
+        return "v3"
+    if v == "v1" and act == "fp8" and fmt == "nvfp4":
+        return "v2"
+    return v
 
 
-def smem_bytes(act: str, E: int, version: str = DEFAULT_VERSION) -> int:
+DEFAULT_VERSION = "v4"  # GPU tests pass (H200, 2026-11-29, 1 and 2 producer warpgroups); 1.6-1.7x v3 in W4A8 prefill
+
+
+def v4_producer_warpgroups() -> int:
+    """``DSV4_MOE_V4_PWG``: producer warpgroups of the v4 kernel (1 or 2, default 2)."""
+    v = os.environ.get("DSV4_MOE_V4_PWG", "2")
+    if v not in ("1", "2"):
+        raise ValueError(f"DSV4_MOE_V4_PWG must be '1' or '2', got {v!r}")
+    return int(v)
+
+
+def v4_stages(lo: int) -> int:
+    """v4 ring depth: ``DSV4_MOE_V4_STAGES`` (tuning only) or 3 (NVFP4 W4A8: hi + lo tiles) / 4."""
+    return int(os.environ.get("DSV4_MOE_V4_STAGES", 3 if lo else 4))
+
+
+def smem_bytes(act: str, E: int, version: str = DEFAULT_VERSION, fmt: str = "mxfp4") -> int:
     kbytes = 128 if act == "fp8" else 256
+    lo = int(act == "fp8" and fmt == "nvfp4")  # NVFP4 W4A8: hi + lo decoded tiles (moe.cu MOE_LO)
+    if version == "v4":  # moe.cu V4_*: slot = A, B hi (, B lo) 16 KiB tiles + packed + scales + 1 KiB
+        stages = v4_stages(lo)
+        slot = (2 + lo) * 16384 + 8192 + 1024 * v4_producer_warpgroups() + 1024
+        return 1024 + stages * slot + 16 * stages + 16 * 8 + 4 * (E + 1)
     small = 2 * BN * 4 + 2 * BM * 4 + 4 * (E + 1)
     if version == "v1":
         return 2 * (BM + BN) * kbytes + small
-    stages = 4 if act == "fp8" else 2
+    stages = (3 if lo else 4) if act == "fp8" else 2
     slot = BM * kbytes + BN * 64 + BN * 8
-    return stages * slot + 2 * BN * kbytes + small + 16 * 8 + 1024  # + 1024: alignment of the swizzle atoms
+    return stages * slot + 2 * (1 + lo) * BN * kbytes + small + 16 * 8 + 1024  # + 1024: swizzle atom alignment
 
 
-_configured: set = set()
+_configured: dict = {}  # kernel config -> largest dynamic smem limit set so far
 
 
 def _kernel(act: str, fmt: str, stage: int, E: int):
-    ver = kernel_version()
+    ver = effective_version(act, fmt)
     diag = {"MOE_DIAG": int(os.environ["DSV4_MOE_DIAG"])} if os.environ.get("DSV4_MOE_DIAG") else {}  # bench only
-    mod = load("moe.cu", MOE_ACT=_ACT[act], MOE_WFMT=_FMT[fmt], MOE_STAGE=stage, MOE_SW128=int(ver == "v3"), **diag)
-    k = mod.kernel("moe_gemm_kernel" if ver == "v1" else "moe_gemm_kernel_v2")
-    smem = smem_bytes(act, E, ver)
-    key = (ver, act, fmt, stage, smem, torch.cuda.current_device(), tuple(diag.items()))
-    if key not in _configured:
+    if ver == "v4":
+        diag["V4_PWG"] = v4_producer_warpgroups()
+        if os.environ.get("DSV4_MOE_V4_STAGES"):  # tuning only
+            diag["V4_STAGES"] = int(os.environ["DSV4_MOE_V4_STAGES"])
+        if os.environ.get("DSV4_MOE_V4_WCOAL", "0") != "0":  # tuning only: coalesced weight copies (moe.cu V4_WCOAL)
+            diag["V4_WCOAL"] = int(os.environ["DSV4_MOE_V4_WCOAL"])
+    mod = load("moe.cu", MOE_ACT=_ACT[act], MOE_WFMT=_FMT[fmt], MOE_STAGE=stage, MOE_SW128=int(ver != "v2"), **diag)
+    k = mod.kernel({"v1": "moe_gemm_kernel", "v4": "moe_gemm_kernel_v4"}.get(ver, "moe_gemm_kernel_v2"))
+    smem = smem_bytes(act, E, ver, fmt)
+    # The limit is an attribute of the kernel, shared by every E: only ever raise it (lowering it
+    # for a small E made a later launch with a larger E fail with CUDA_ERROR_INVALID_VALUE).
+    key = (ver, act, fmt, stage, torch.cuda.current_device(), tuple(diag.items()))
+    if _configured.get(key, -1) < smem:
         set_max_dynamic_smem(k, smem)
-        _configured.add(key)
+        _configured[key] = smem
     return k, smem
 
 
@@ -76,6 +117,17 @@ def _grid(R: int, E: int, n_tiles: int, device) -> int:
     # upper bound of m-tiles: every expert may add one partial tile
     mt_upper = min(-(-R // BM) + E, R)
     return max(1, min(mt_upper * n_tiles, _sm_count(device.index or 0)))
+
+
+def _geom(act: str, fmt: str, stage: int, R: int, E: int, N: int, device) -> tuple[int, int]:
+    """(persistent grid, threads per CTA) of the kernel :func:`_kernel` picks. v4: 128-row m-tiles,
+    n-tiles of 256 W13 rows (stage 1) or 128 output columns (stage 2), 256 consumer threads + 128 per
+    producer warpgroup."""
+    if effective_version(act, fmt) != "v4":
+        return _grid(R, E, N // BN, device), 256
+    mt_upper = min(-(-R // 128) + E, R)
+    nt = N // 256 if stage == 1 else N // 128
+    return max(1, min(mt_upper * nt, _sm_count(device.index or 0))), 256 + 128 * v4_producer_warpgroups()
 
 
 class _CudaMoEBase(CudaProvider):
@@ -96,6 +148,10 @@ class CudaMoEGemm1(_CudaMoEBase):
 
     def run(self, problem, *, a, a_s, w13, w13_scale, g13, row_start, row_count, route_w):
         act, fmt = problem["act"], problem["fmt"]
+        dp = moe_decode.plan(a.shape[0], w13.shape[0], w13.shape[1], a.shape[1], act, fmt, 1)
+        if dp is not None:  # decode kernel (kernels_cuda/moe_decode.py)
+            return moe_decode.gemm1_swiglu(dp, problem, a=a, a_s=a_s, w13=w13, w13_scale=w13_scale, g13=g13,
+                                           row_start=row_start, row_count=row_count, route_w=route_w)
         R, K = a.shape
         E, N = w13.shape[0], w13.shape[1]
         I = N // 2
@@ -108,8 +164,8 @@ class CudaMoEGemm1(_CudaMoEBase):
         if R == 0:
             return h, h_s
         k, smem = _kernel(act, fmt, 1, E)
-        grid = _grid(R, E, N // BN, a.device)
-        launch(k, grid, 256, a, a_s if a_s is not None else a, w13, w13_scale, g13, row_start, row_count, route_w,
+        grid, nthr = _geom(act, fmt, 1, R, E, N, a.device)
+        launch(k, grid, nthr, a, a_s if a_s is not None else a, w13, w13_scale, g13, row_start, row_count, route_w,
                h, h_s if act == "fp8" else route_w, np.int32(E), np.int32(N), np.int32(K), smem=smem)
         return h, h_s
 
@@ -119,14 +175,18 @@ class CudaMoEGemm2(_CudaMoEBase):
 
     def run(self, problem, *, h, h_s, w2, w2_scale, g2, row_start, row_count):
         act, fmt = problem["act"], problem["fmt"]
+        dp = moe_decode.plan(h.shape[0], w2.shape[0], w2.shape[1], h.shape[1], act, fmt, 2)
+        if dp is not None:  # decode kernel (kernels_cuda/moe_decode.py)
+            return moe_decode.gemm2(dp, problem, h=h, h_s=h_s, w2=w2, w2_scale=w2_scale, g2=g2,
+                                    row_start=row_start, row_count=row_count)
         R, K = h.shape
         E, N = w2.shape[0], w2.shape[1]
         y = torch.empty((R, N), dtype=torch.float32, device=h.device)
         if R == 0:
             return y
         k, smem = _kernel(act, fmt, 2, E)
-        grid = _grid(R, E, N // BN, h.device)
-        launch(k, grid, 256, h, h_s if h_s is not None else g2, w2, w2_scale, g2, row_start, row_count, g2,
+        grid, nthr = _geom(act, fmt, 2, R, E, N, h.device)
+        launch(k, grid, nthr, h, h_s if h_s is not None else g2, w2, w2_scale, g2, row_start, row_count, g2,
                y, g2, np.int32(E), np.int32(N), np.int32(K), smem=smem)
         return y
 

@@ -8,8 +8,10 @@ rounded once to the output dtype:
 
 Same algorithm as ``kernels_cuda/dequant_fp4.cu`` (the ``cuda`` provider) so the two agree
 bit for bit: E2M1 is decoded with a byte LUT through ``prmt.b32`` (never arithmetic on the
-nibble, seed 000), one thread handles one 16-byte chunk of packed data (32 values) with one
-``ld.global.nc.v4`` and writes its 64 B (bf16) / 128 B (fp32) with 16-byte stores.
+nibble, seed 000), and the same coalesced warp-tiled mapping: a warp owns 128 packed words;
+each lane loads one 16-byte chunk (``ld.global.nc.v4``, transposed through 512 B of shared
+memory per warp) and in step j decodes word 32 j + lane, so every 16-byte store instruction of
+the warp writes one contiguous 512 B span (bf16).
 
 The compiled kernel is specialized on ``(fmt, out dtype, arch)`` only; ``M`` and ``K`` are
 symbolic (``cute.sym_int``), so one compile serves every size. Launches take tensors through
@@ -32,6 +34,7 @@ try:  # the DSL is optional at import time: the provider then reports "unavailab
     from cutlass import BFloat16, Float32, Int64, Uint8, Uint32
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
+    from cutlass.memory import SmemAllocator
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -75,27 +78,36 @@ if _HAVE_DSL:
         return Float32(llvm.bitcast(T.f32(), Uint32(u).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
     class DequantFp4Kernel:
-        """Block-scaled FP4 (E2M1) dequantization, one thread per 16-byte chunk.
+        """Block-scaled FP4 (E2M1) dequantization with warp-tiled, coalesced stores.
 
         ``__call__(mData, mScale, mOut, mGlobal, stream)``:
 
         * ``mData``: Uint8 ``[M, K/2]`` row-major, 16 B aligned base, 2 x E2M1 per byte
           (element 2i in the low nibble; nibble bit 3 = sign, bits 2:0 index the levels).
         * ``mScale``: Uint8 view of the scales, ``[M, K/SF]`` row-major: UE8M0 bytes (mxfp4,
-          SF = 32) or E4M3 bytes (nvfp4, SF = 16; base 2 B aligned, read 16 bits per chunk).
+          SF = 32) or E4M3 bytes (nvfp4, SF = 16).
         * ``mOut``: BFloat16 / Float32 ``[M, K]`` row-major, 16 B aligned base.
         * ``mGlobal``: nvfp4: Float32 ``[1]`` decode multiplier; mxfp4: ``None``.
 
-        Constraints: ``K % 32 == 0`` (a chunk of 32 values never straddles a row, so all three
-        tensors can be walked as flat arrays); tensors contiguous; ``M * K / 32 < 2^63``
-        (64-bit chunk index). Thread ``c`` reads bytes ``[16c, 16c+16)``, scale byte ``c``
-        (mxfp4) or ``2c, 2c+1`` (nvfp4: values ``32c..32c+15`` use the first), and writes
-        values ``[32c, 32c+32)``. No shared memory, no synchronization; ``threads`` per CTA.
+        Mapping (same as ``kernels_cuda/dequant_fp4.cu``): all three tensors are walked as flat
+        arrays (``K % 32 == 0``: a 32-value chunk never straddles a row). A warp owns a tile of
+        128 packed 32-bit words (1024 values). Lane ``l`` loads the tile's 16-byte chunk ``l``
+        with one coalesced ``ld.global.nc.v4`` (512 B per warp instruction) and parks it in
+        shared memory; after ``bar.warp.sync`` it reads back word ``32 j + l`` for steps
+        ``j = 0..3`` (conflict-free ``ld.shared.b32``), decodes its 8 values and stores them
+        with one 16 B (bf16) or two 16 B (fp32) stores next to its neighbours': every store
+        instruction of the warp writes one contiguous 512 B (bf16) span. The 4 scale bytes
+        (one per word: byte ``i >> 2`` for mxfp4, ``i >> 1`` for nvfp4) are loaded before
+        the first decode. ``threads`` per CTA, 16 B of shared memory per thread.
+
+        Constraints: ``K % 32 == 0``; tensors contiguous; ``M * K / 8 < 2^63`` (64-bit word index).
         """
 
         def __init__(self, fmt: str, out_dtype, threads: int = 256):
             if fmt not in SF:
                 raise ValueError(f"fmt must be one of {sorted(SF)}, got {fmt!r}")
+            if threads % 32:
+                raise ValueError(f"threads must be a multiple of 32, got {threads}")
             self.fmt = fmt
             self.out_dtype = out_dtype
             self.threads = threads
@@ -106,13 +118,12 @@ if _HAVE_DSL:
                      mGlobal: Optional[cute.Tensor], stream: cuda.CUstream):
             m, kp = mData.shape
             n_chunks = Int64(m) * Int64(kp) // 16
-            # Flat views (every operand is compact row-major and a chunk never straddles a row),
-            # tiled so that mode 1 indexes the chunk: ((16),(n)), ((sf),(n)), ((32),(n)).
+            # flat views (every operand is compact row-major, a chunk never straddles a row):
+            # data ((16),(n_chunks)) bytes, scale ((1),(n_sf)) bytes, out ((8),(n_words)) values
             gData = cute.zipped_divide(cute.make_tensor(mData.iterator, cute.make_layout(n_chunks * 16)), (16,))
             gScale = cute.zipped_divide(
-                cute.make_tensor(mScale.iterator, cute.make_layout(n_chunks * self.sf_per_chunk)),
-                (self.sf_per_chunk,))
-            gOut = cute.zipped_divide(cute.make_tensor(mOut.iterator, cute.make_layout(n_chunks * 32)), (32,))
+                cute.make_tensor(mScale.iterator, cute.make_layout(n_chunks * self.sf_per_chunk)), (1,))
+            gOut = cute.zipped_divide(cute.make_tensor(mOut.iterator, cute.make_layout(n_chunks * 32)), (8,))
             self.kernel(gData, gScale, gOut, mGlobal, n_chunks).launch(
                 grid=[cute.ceil_div(n_chunks, self.threads), 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -121,73 +132,89 @@ if _HAVE_DSL:
                    mGlobal: Optional[cute.Tensor], n_chunks: Int64):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
-            c = Int64(bidx) * self.threads + Int64(tidx)
-            if c < n_chunks:
-                # 16 B of packed E2M1 through the read-only path: ld.global.nc.v4
-                ld16 = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=128, invariant=True)
-                rData = cute.make_rmem_tensor((16,), Uint8)
-                cute.copy(ld16, gData[(None, c)], rData)
-                words = cute.recast_tensor(rData, Uint32)  # 4 words, 8 values each (value i in nibble i)
+            lane = tidx % 32
+            warp = tidx // 32
+            c = Int64(bidx) * self.threads + Int64(tidx)           # the 16-byte chunk this lane loads
+            base = (Int64(bidx) * self.threads + Int64(warp * 32)) * 4   # first word of the warp tile
+            n_words = n_chunks * 4
 
-                # scale byte(s) of this chunk: 8-bit load (mxfp4) / one 16-bit load (nvfp4, 2 B aligned)
-                ld_sf = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=8 * self.sf_per_chunk,
-                                            invariant=True)
-                rScale = cute.make_rmem_tensor((self.sf_per_chunk,), Uint8)
-                cute.copy(ld_sf, gScale[(None, c)], rScale)
-                s0 = Float32(0.0)
-                s1 = Float32(0.0)
-                g = Float32(1.0)
-                if cutlass.const_expr(self.fmt == "mxfp4"):
+            # per-warp staging tile: 32 lanes x 16 B, written as chunks, read back as words
+            sTile = SmemAllocator().allocate_tensor(Uint32, cute.make_layout((4, self.threads)), byte_alignment=16)
+            sChunks = sTile[(None, tidx)]                            # this lane's 16 B
+            sWords = cute.make_tensor(sTile[(None, warp * 32)].iterator, cute.make_layout(128))  # the warp's 128 words
+
+            # 16 B of packed E2M1 through the read-only path: ld.global.nc.v4, coalesced per warp
+            ld16 = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=128, invariant=True)
+            rData = cute.make_rmem_tensor((16,), Uint8)
+            rData.fill(0)
+            if c < n_chunks:
+                cute.copy(ld16, gData[(None, c)], rData)
+            st16s = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
+            cute.copy(st16s, cute.recast_tensor(rData, Uint32), sChunks)
+
+            # the 4 scale bytes of words base + 32 j + lane, all issued before the first decode
+            ld_sf = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=8, invariant=True)
+            rScale = cute.make_rmem_tensor((4,), Uint8)
+            rScale.fill(0)
+            for j in cutlass.range_constexpr(4):
+                i = base + j * 32 + Int64(lane)
+                if i < n_words:
+                    sf_idx = i >> 2 if cutlass.const_expr(self.fmt == "mxfp4") else i >> 1
+                    cute.copy(ld_sf, gScale[(None, sf_idx)], cute.zipped_divide(rScale, (1,))[(None, j)])
+            g = Float32(1.0)
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                g = mGlobal[0]
+            sv = cute.make_rmem_tensor((4,), Float32)
+            if cutlass.const_expr(self.fmt == "mxfp4"):
+                for j in cutlass.range_constexpr(4):
                     # UE8M0 byte b -> 2^(b-127): exponent field b; b = 0 -> 2^-127 (subnormal); 0xFF -> NaN
-                    b = Uint32(rScale[0])
+                    b = Uint32(rScale[j])
                     bits = b << 23
                     bits = Uint32(cutlass.select_(b == 0, Uint32(_F32_2POW_M127), bits))
                     bits = Uint32(cutlass.select_(b == 0xFF, Uint32(_F32_QNAN), bits))
-                    s0 = _bits_to_f32(bits)
-                    s1 = s0
-                else:
-                    # two E4M3 bytes -> fp32 (exact: every E4M3 value is an fp16/fp32 value)
-                    sv = cute.recast_tensor(rScale, cutlass.Float8E4M3FN).load().to(Float32)
-                    s0 = sv[0]
-                    s1 = sv[1]
-                    g = mGlobal[0]
+                    sv[j] = _bits_to_f32(bits)
+            else:
+                # E4M3 bytes -> fp32 (exact: every E4M3 value is an fp16/fp32 value)
+                sv.store(cute.recast_tensor(rScale, cutlass.Float8E4M3FN).load().to(Float32))
 
-                rOut = cute.make_rmem_tensor((32,), Float32)
-                for q in cutlass.range_constexpr(4):  # 8 values per word; words 0,1 use s0, 2,3 use s1
-                    w = words[q]
-                    idx = w & Uint32(0x77777777)
-                    lo_a = _prmt(_E2M1_LO_A, _E2M1_LO_B, idx)              # low bytes of values 0..3
-                    hi_a = _prmt(_E2M1_HI_A, _E2M1_HI_B, idx)              # high bytes of values 0..3
-                    lo_b = _prmt(_E2M1_LO_A, _E2M1_LO_B, idx >> 16)        # values 4..7
-                    hi_b = _prmt(_E2M1_HI_A, _E2M1_HI_B, idx >> 16)
-                    sg = w & Uint32(0x88888888)                            # sign of value e at bit 4e+3
-                    # bf16 pairs {value 2j (low half), value 2j+1 (high half)}, sign moved to bit 15 / 31
-                    p0 = _prmt(lo_a, hi_a, 0x5140) | ((sg << 12) & Uint32(0x00008000)) | ((sg << 24) & Uint32(0x80000000))
-                    p1 = _prmt(lo_a, hi_a, 0x7362) | ((sg << 4) & Uint32(0x00008000)) | ((sg << 16) & Uint32(0x80000000))
-                    p2 = _prmt(lo_b, hi_b, 0x5140) | ((sg >> 4) & Uint32(0x00008000)) | ((sg << 8) & Uint32(0x80000000))
-                    p3 = _prmt(lo_b, hi_b, 0x7362) | ((sg >> 12) & Uint32(0x00008000)) | (sg & Uint32(0x80000000))
-                    s = s0 if q < 2 else s1
-                    pairs = (p0, p1, p2, p3)
-                    for j in cutlass.range_constexpr(4):
-                        # bf16 -> fp32 is a 16-bit shift (the E2M1 levels are exact in bf16)
-                        v_lo = _bits_to_f32(pairs[j] << 16) * s
-                        v_hi = _bits_to_f32(pairs[j] & Uint32(0xFFFF0000)) * s
-                        if cutlass.const_expr(self.fmt == "nvfp4"):
-                            v_lo = v_lo * g
-                            v_hi = v_hi * g
-                        rOut[q * 8 + 2 * j] = v_lo
-                        rOut[q * 8 + 2 * j + 1] = v_hi
-
-                # one rounding to the output dtype, then 16-byte stores
-                vec = 16 // (self.out_dtype.width // 8)  # elements per 16-byte store
-                st16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
-                dst = cute.logical_divide(gOut[(None, c)], (vec,))
-                if cutlass.const_expr(self.out_dtype == Float32):
-                    cute.copy(st16, cute.logical_divide(rOut, (vec,)), dst)
-                else:
-                    rCvt = cute.make_rmem_tensor((32,), self.out_dtype)
-                    rCvt.store(rOut.load().to(self.out_dtype))
-                    cute.copy(st16, cute.logical_divide(rCvt, (vec,)), dst)
+            cute.arch.sync_warp()
+            vec = 16 // (self.out_dtype.width // 8)  # elements per 16-byte store
+            st16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
+            for j in cutlass.range_constexpr(4):
+                i = base + j * 32 + Int64(lane)
+                w = sWords[j * 32 + lane]                            # ld.shared.b32, conflict-free
+                s = sv[j]
+                idx = w & Uint32(0x77777777)
+                lo_a = _prmt(_E2M1_LO_A, _E2M1_LO_B, idx)              # low bytes of values 0..3
+                hi_a = _prmt(_E2M1_HI_A, _E2M1_HI_B, idx)              # high bytes of values 0..3
+                lo_b = _prmt(_E2M1_LO_A, _E2M1_LO_B, idx >> 16)        # values 4..7
+                hi_b = _prmt(_E2M1_HI_A, _E2M1_HI_B, idx >> 16)
+                sg = w & Uint32(0x88888888)                            # sign of value e at bit 4e+3
+                # bf16 pairs {value 2p (low half), value 2p+1 (high half)}, sign moved to bit 15 / 31
+                p0 = _prmt(lo_a, hi_a, 0x5140) | ((sg << 12) & Uint32(0x00008000)) | ((sg << 24) & Uint32(0x80000000))
+                p1 = _prmt(lo_a, hi_a, 0x7362) | ((sg << 4) & Uint32(0x00008000)) | ((sg << 16) & Uint32(0x80000000))
+                p2 = _prmt(lo_b, hi_b, 0x5140) | ((sg >> 4) & Uint32(0x00008000)) | ((sg << 8) & Uint32(0x80000000))
+                p3 = _prmt(lo_b, hi_b, 0x7362) | ((sg >> 12) & Uint32(0x00008000)) | (sg & Uint32(0x80000000))
+                pairs = (p0, p1, p2, p3)
+                rOut = cute.make_rmem_tensor((8,), Float32)
+                for p in cutlass.range_constexpr(4):
+                    # bf16 -> fp32 is a 16-bit shift (the E2M1 levels are exact in bf16)
+                    v_lo = _bits_to_f32(pairs[p] << 16) * s
+                    v_hi = _bits_to_f32(pairs[p] & Uint32(0xFFFF0000)) * s
+                    if cutlass.const_expr(self.fmt == "nvfp4"):
+                        v_lo = v_lo * g
+                        v_hi = v_hi * g
+                    rOut[2 * p] = v_lo
+                    rOut[2 * p + 1] = v_hi
+                if i < n_words:
+                    # one rounding to the output dtype, then 16-byte stores (512 B contiguous per warp)
+                    dst = cute.logical_divide(gOut[(None, i)], (vec,))
+                    if cutlass.const_expr(self.out_dtype == Float32):
+                        cute.copy(st16, cute.logical_divide(rOut, (vec,)), dst)
+                    else:
+                        rCvt = cute.make_rmem_tensor((8,), self.out_dtype)
+                        rCvt.store(rOut.load().to(self.out_dtype))
+                        cute.copy(st16, cute.logical_divide(rCvt, (vec,)), dst)
 
 
 _OUT_DSL = {"bfloat16": "BFloat16", "float32": "Float32"}

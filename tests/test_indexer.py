@@ -216,6 +216,75 @@ def test_kernels_compile_sm90a_wgmma_cpu():
         for had in (0, 1):
             ptx = load("indexer.cu", IDX_FMT=fmt, IDX_HADAMARD=had).ptx()
             assert ("shfl.sync.bfly" in ptx)
+    # FP8 WGMMA path (MXFP4 / FP8 keys): k32 e4m3 wgmma, cp.async ring, no BF16 MMA
+    for fmt, nq, paged, fold, accbuf, bulk in ((0, 1, 1, 1, 2, 1), (0, 1, 1, 1, 2, 0), (0, 2, 1, 1, 2, 1),
+                                               (0, 3, 1, 1, 1, 1), (0, 2, 0, 1, 2, 0), (2, 1, 1, 1, 2, 0),
+                                               (2, 2, 0, 1, 1, 0), (2, 4, 1, 0, 2, 0), (2, 4, 0, 0, 2, 0)):
+        ptx = load("indexer.cu", IDX_FMT=fmt, IDX_NQ=nq, IDX_PAGED=paged, IDX_STAGES=3, IDX_TUNED=1,
+                   IDX_MAX_CHUNK_TILES=256, IDX_MMA8=1, IDX_FOLD=fold, IDX_ACCBUF=accbuf, IDX_BULK=bulk).ptx()
+        assert "wgmma.mma_async.sync.aligned.m64n%dk32.f32.e4m3.e4m3" % (64 * nq) in ptx, (fmt, nq)
+        assert ".bf16.bf16" not in ptx and "fence.proxy.async" in ptx
+        if bulk:
+            assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+            assert "mbarrier.try_wait.parity" in ptx and "cp.async.cg" not in ptx
+        else:
+            assert "cp.async.cg.shared.global" in ptx
+    with pytest.raises(Exception, match="NVFP4"):
+        load("indexer.cu", IDX_FMT=1, IDX_MMA8=1).ptx()
+
+
+def _mma8_emulate_mxfp4(qd, qs, w, kd, ksf):
+    """CPU model of the FP8 WGMMA path of indexer.cu (IDX_MMA8, MXFP4): the exact operand bytes
+    the kernel builds, the k32 block sums in float64 (what the tensor core must return), the
+    fold with 2^(e_k - 121) and w x 2^(E_h - 133). Returns (logits [T, S] fp64, block sums)."""
+    T, S = qd.shape[0], kd.shape[0]
+    # keys: nibble -> E4M3 byte sign << 7 | code << 2 (== E2M1 * 2^-6), order [0,2,4,6,1,3,5,7] per word
+    kb = kd.to(torch.int32)
+    lo, hi = kb & 0xF, kb >> 4                                        # [S, 64] nibbles of dims 2i, 2i+1
+    nib = torch.stack((lo, hi), -1).reshape(S, 128)                   # natural dim order
+    perm = torch.arange(128).reshape(16, 2, 4).transpose(1, 2).reshape(16, 8)  # word c: dims 8c + [0,2,4,6,1,3,5,7]
+    perm = perm.reshape(-1)
+    nib_p = nib[:, perm]
+    kbyte = ((nib_p & 8) << 4) | ((nib_p & 7) << 2)
+    kval = kbyte.to(torch.uint8).view(torch.float8_e4m3fn).double()    # E2M1 * 2^-6
+    # queries: E2M1 * 2^(e_b - E_h + 6) -> E4M3 (RN)
+    qb = qd.to(torch.int32).reshape(T * 64, 64)
+    qn = torch.stack((qb & 0xF, qb >> 4), -1).reshape(T * 64, 128)[:, perm]
+    lut = torch.tensor(E2M1 + [-v for v in E2M1], dtype=torch.float64)
+    qe = lut[qn.long()]
+    e = qs.to(torch.int64).reshape(T * 64, 4)
+    eh = e.amax(1, keepdim=True)
+    f = torch.exp2((e - eh + 6).double()).repeat_interleave(32, 1)
+    qval = (qe * f).float().to(torch.float8_e4m3fn).double().reshape(T, 64, 128)
+    blocks = torch.einsum("thbd,sbd->thsb", qval.reshape(T, 64, 4, 32), kval.reshape(S, 4, 32))
+    ek = ksf.to(torch.int64).reshape(S, 4)
+    summ = (blocks * torch.exp2((ek - 121).double())[None, None]).sum(-1)       # [T, 64, S]
+    wq = w.double() * torch.exp2((eh.reshape(T, 64) - 133).double())
+    return (summ.clamp_min(0) * wq[..., None]).sum(1), blocks
+
+
+def test_mma8_mxfp4_math_exact_cpu():
+    """The FP8-path algebra (operand bytes, per-k32 block sums, power-of-two folds) reproduces the
+    dequantized logits, and every k32 block sum fits Hopper's FP8 accumulator exactly: a multiple of
+    2^(e_q - E_h - 14) (E2M1 x E2M1 products are multiples of 1/4 before the 2^(e_q - E_h) block
+    factor) of at most 1152 in E2M1 units -> at most 13 significant bits."""
+    T, S = 32, 512
+    d = indexer_inputs(T, S, seed=9)
+    for had in (False, True):
+        qd, qs, wo = q_quant_ref(d.q, d.w, "mxfp4", had)
+        kv, ksf = quantize_rows(d.k, "mxfp4", None, had)
+        got, blocks = _mma8_emulate_mxfp4(qd, qs, wo, kv, ksf)
+        ref = logits_ref(dequantize_q(qd, qs, "mxfp4"), wo, dequantize_rows(kv, ksf, "mxfp4"),
+                         torch.zeros(T, dtype=torch.int32), torch.full((T,), S, dtype=torch.int32), dtype=torch.float64)
+        rel = ((got - ref.double()).abs().amax(1) / ref.double().abs().amax(1)).max().item()
+        assert rel < 1.2e-7, (had, rel)   # the reference's output is rounded to fp32
+        # exactness in the tensor core: block sum / 2^(e_q - E_h) is a multiple of 1/4 with |.| <= 1152
+        e = qs.to(torch.int64)
+        unit = torch.exp2((e - e.amax(-1, keepdim=True)).double())              # [T, 64, 4]
+        x = blocks / unit[:, :, None, :]
+        assert torch.equal(x * 4, (x * 4).round()) and x.abs().max().item() <= 1152
+        # and every q operand byte was exact (no block 2^14 below its head's largest here)
+        assert (e.amax(-1) - e.amin(-1)).max().item() <= 14
 
 
 # =========================================================================================
@@ -253,12 +322,14 @@ def test_gpu_cache_write_and_q_quant_bytes(cuda_device, fmt, hadamard):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gpu_e2m1_decode_exhaustive(cuda_device, fmt):
-    """Seed 000: every byte 0..255 through the in-kernel decode (prefill and paged paths).
+@pytest.mark.parametrize("fmt,mma", [("mxfp4", "auto"), ("mxfp4", "fp8"), ("mxfp4", "bf16"), ("nvfp4", "auto")])
+def test_gpu_e2m1_decode_exhaustive(cuda_device, monkeypatch, fmt, mma):
+    """Seed 000: every byte 0..255 through the in-kernel decode (prefill and paged paths, both MMA
+    paths for MXFP4: ``DSV4_INDEXER_MMA``).
 
     Key s = 0..3 holds bytes 64 s .. 64 s + 63; query t = dim d has head 0 = +e_d, head 1 =
     -e_d, w = (1, -1, 0, ...), so logit[d, s] = K_s[d] exactly."""
+    monkeypatch.setenv("DSV4_INDEXER_MMA", mma)
     vb, sb = FORMATS[fmt]
     kv = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(4, 64)
     if fmt == "mxfp4":
@@ -302,16 +373,24 @@ def test_gpu_e2m1_decode_exhaustive(cuda_device, fmt):
                                  bt.to(dev), fmt=fmt, q_global=None if g1 is None else g1.to(dev),
                                  k_global=None if g1 is None else g1.to(dev))
     assert torch.equal(P[:, :4].double().cpu(), expect[:4])
+    # paged, next_n = 1 (the FP8 decode path for MXFP4): 8 sequences sharing page 1
+    with _cuda_only():
+        P1 = indexer_logits_paged(qd.reshape(128, 1, 64, -1)[:8].to(dev), qs.reshape(128, 1, 64, -1)[:8].to(dev),
+                                  wo[:8].to(dev), cache.to(dev), torch.full((8,), 4, dtype=torch.int32, device=dev),
+                                  bt.repeat(8, 1).to(dev), fmt=fmt, q_global=None if g1 is None else g1.to(dev),
+                                  k_global=None if g1 is None else g1.to(dev))
+    assert torch.equal(P1[:, :4].double().cpu(), expect[:8])
 
 
-def _check_logits(got: torch.Tensor, ref: torch.Tensor, k: int = 512) -> dict:
-    """Gate (a): same -inf mask; per-row max|err| / max|ref| <= 1e-5; top-k sets equal up to ties."""
+def _gate_stats(got: torch.Tensor, ref: torch.Tensor, k: int = 512) -> dict:
+    """Gate (a) numbers: -inf mask equal; per-row max|err| / max|ref|; top-k selection scores within
+    1e-5 x row scale of the reference top-k scores (equal sets up to exact ties)."""
     fin = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(got), fin)
+    mask_ok = torch.equal(torch.isfinite(got), fin)
     diff = torch.where(fin, (got.double() - ref.double()).abs(), torch.zeros_like(ref, dtype=torch.float64))
+    diff = torch.nan_to_num(diff, nan=float("inf"))
     scale = torch.where(fin, ref.double().abs(), torch.zeros_like(diff)).amax(1).clamp_min(1e-30)
     rel = (diff.amax(1) / scale)
-    assert rel.max().item() <= 1e-5, rel.max().item()
     # top-k: the reference scores of the kernel's selection equal the reference top-k scores
     kk = min(k, ref.shape[1])
     tr = torch.topk(ref, kk, dim=1).values
@@ -319,8 +398,18 @@ def _check_logits(got: torch.Tensor, ref: torch.Tensor, k: int = 512) -> dict:
     ts = torch.sort(torch.gather(ref, 1, sel), dim=1, descending=True).values
     both = torch.isfinite(tr)
     tol = 1e-5 * scale[:, None]
-    assert ((ts - tr).abs().double().where(both, torch.zeros_like(tol)) <= tol).all()
-    return {"max_rel_err": rel.max().item(), "median_rel_err": rel.median().item()}
+    topk_ok = bool(((ts - tr).abs().double().where(both, torch.zeros_like(tol)) <= tol).all())
+    return {"mask_ok": mask_ok, "max_rel_err": rel.max().item(), "median_rel_err": rel.median().item(),
+            "topk_ok": topk_ok}
+
+
+def _check_logits(got: torch.Tensor, ref: torch.Tensor, k: int = 512) -> dict:
+    """Gate (a): same -inf mask; per-row max|err| / max|ref| <= 1e-5; top-k sets equal up to ties."""
+    st = _gate_stats(got, ref, k)
+    assert st["mask_ok"]
+    assert st["max_rel_err"] <= 1e-5, st["max_rel_err"]
+    assert st["topk_ok"]
+    return {"max_rel_err": st["max_rel_err"], "median_rel_err": st["median_rel_err"]}
 
 
 @functools.lru_cache(maxsize=1)
@@ -384,6 +473,80 @@ def test_gpu_paged_logits_vs_reference(cuda_device, fmt, next_n):
     qr = dequantize_q(qd, qs, fmt, gq).reshape(B, next_n, 64, 128)
     ref = paged_logits_ref(qr, wo, kr, lens, bt, max_ctx)
     _check_logits(L, ref)
+
+
+# MMA variants (kernels_cuda/indexer.py env switches): fmt -> {variant: env}
+MMA_VARIANTS = {
+    "mxfp4": {"fp8mma": {"DSV4_INDEXER_MMA": "fp8"}, "bf16mma": {"DSV4_INDEXER_MMA": "bf16"},
+              # tuning knobs (kernels_cuda/indexer.py); BULK is the default, the others are off:
+              "fp8mma_cpasync": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "0"},
+              "fp8mma_defer": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "0", "DSV4_INDEXER_DEFER": "1"},
+              "fp8mma_bulk_defer": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "1", "DSV4_INDEXER_DEFER": "1"},
+              "fp8mma_split": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "0", "DSV4_INDEXER_SPLIT_NN": "1"},
+              "fp8mma_acc1": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "0", "DSV4_INDEXER_DECODE_ACCBUF": "1"}},
+    "fp8": {"bf16mma": {"DSV4_INDEXER_FP8_KEYS": "bf16"}, "fp8mma_fold": {"DSV4_INDEXER_FP8_KEYS": "fold"},
+            "fp8mma_nofold": {"DSV4_INDEXER_FP8_KEYS": "nofold"}},
+}
+DECODE_KNOBS = {"fp8mma_cpasync", "fp8mma_bulk_defer", "fp8mma_split", "fp8mma_acc1"}
+EXACT_VARIANTS = {("mxfp4", v) for v in MMA_VARIANTS["mxfp4"]} | {("fp8", "bf16mma")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,variant", [(f, v) for f, vs in MMA_VARIANTS.items() for v in vs])
+def test_gpu_mma_variants_gate_a(cuda_device, monkeypatch, fmt, variant):
+    """Gate (a) for every MMA variant (BF16 wgmma vs FP8 wgmma; FP8 keys with / without per-k32
+    promotion): prefill (the 5-sequence packed case) and decode (next_n 1 and 2). The numbers go
+    to $DSV4_RESULTS_DIR/indexer_gate_a_<fmt>_<variant>.json; exact variants must pass, the
+    FP8 x FP8 tensor-core variants are measured (Hopper FP8 accumulation is not exact)."""
+    for k, v in MMA_VARIANTS[fmt][variant].items():
+        monkeypatch.setenv(k, v)
+    dev = cuda_device
+    res = {}
+    decode_only = variant in DECODE_KNOBS   # these knobs do not change the prefill kernel
+    # prefill
+    lens = PREFILL_LENS
+    ks, ke, pos = indexer_prefill_ranges(lens, device=dev)
+    T, S = int(ks.numel()), sum(L // 4 for L in lens)
+    if not decode_only:
+        d = _prefill_data(T, S, tuple(pos.cpu().tolist()))
+        with _cuda_only():
+            qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True)
+        kv, ksf = quantize_rows(d.k, fmt, None, True)
+        with _cuda_only():
+            L = indexer_logits(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt)
+        torch.manual_seed(0)
+        rows = torch.cat([torch.randperm(T, device=dev)[:700], torch.arange(max(0, T - 68), T, device=dev)])
+        ref = logits_ref(dequantize_q(qd[rows], qs[rows], fmt), wo[rows], dequantize_rows(kv, ksf, fmt), ks[rows],
+                         ke[rows], dtype=torch.float64, chunk=16)
+        res["prefill"] = _gate_stats(L[rows], ref)
+    # decode
+    for nn in (1, 2):
+        B, bs, max_ctx = 6, 64, 6016
+        mb = max_ctx // bs
+        ctx = torch.tensor([6000, 2048, 3001, 65, 4500, 1], dtype=torch.int32)
+        dd = indexer_inputs(B * nn, B * max_ctx, seed=30 + nn, device=dev)
+        nb = B * mb + 7
+        g = torch.Generator().manual_seed(nn)
+        bt = torch.randperm(nb, generator=g)[: B * mb].reshape(B, mb).to(torch.int32).to(dev)
+        slots = (bt.long().repeat_interleave(bs, dim=1) * bs + torch.arange(max_ctx, device=dev) % bs).reshape(-1)
+        cache = torch.zeros(nb, bs, indexer_bytes_per_token(fmt), dtype=torch.uint8, device=dev)
+        with _cuda_only():
+            indexer_cache_write(cache, dd.k, slots, fmt=fmt, hadamard=True)
+            qd2, qs2, wo2 = indexer_q_quant(dd.q, dd.w, fmt=fmt, hadamard=True)
+        lens2 = (ctx[:, None] - nn + 1 + torch.arange(nn)[None]).clamp_min(0).to(torch.int32).to(dev)
+        with _cuda_only():
+            P = indexer_logits_paged(qd2.reshape(B, nn, 64, -1), qs2.reshape(B, nn, 64, -1), wo2, cache, lens2, bt, fmt=fmt)
+        refp = paged_logits_ref(dequantize_q(qd2, qs2, fmt).reshape(B, nn, 64, 128), wo2, dequantize_cache(cache, fmt),
+                                lens2, bt, max_ctx)
+        res[f"decode_next_n{nn}"] = _gate_stats(P, refp)
+    print(f"\ngate (a) {fmt} {variant}:", json.dumps(res))
+    _results(f"indexer_gate_a_{fmt}_{variant}.json", res)
+    if (fmt, variant) in EXACT_VARIANTS:
+        for k, st in res.items():
+            assert st["mask_ok"] and st["topk_ok"] and st["max_rel_err"] <= 1e-5, (k, st)
+    else:
+        for k, st in res.items():
+            assert st["mask_ok"], k   # masks are exact in every variant
 
 
 @pytest.mark.gpu

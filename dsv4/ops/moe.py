@@ -88,8 +88,9 @@ PREPARE_SPEC = OpSpec(
     notes="W4A8 exactness: the kernel folds the UE8M0 scales of a row's 128-K block into E4M3 values "
           "relative to the block's largest exponent; exact when those 4 exponents span <= 14 binades "
           "(E2M1 level * 2^d is exact in E4M3 for d in [-8, 6]); NVFP4 under W4A8 is exact when the E4M3 "
-          "block scales are powers of two (lossless MXFP4 re-encoding), else one E4M3 rounding per weight; "
-          "use act='bf16' (W4A16, always exact) for general NVFP4.",
+          "block scales are powers of two (lossless MXFP4 re-encoding); with general E4M3 block scales the "
+          "kernel splits each decoded weight into hi + lo E4M3 parts (two FP8 WGMMAs), exact when within a "
+          "row's 128-K block floor(log2 max sf) - floor(log2 sf) <= 10 (kernels_cuda/moe.cu header).",
 )
 
 

@@ -1,0 +1,172 @@
+// moe_decode.cuh: device helpers of the MoE decode kernel (moe_decode.cu). Hopper sm_90a only.
+// Self-contained (includes only common.cuh) so that it does not depend on moe.cuh.
+//
+// * mbarrier (init / arrive / expect_tx / try_wait.parity), 1-D bulk copies
+//   (cp.async.bulk ... mbarrier::complete_tx::bytes), cp.async + cp.async.mbarrier.arrive.noinc.
+// * WGMMA m64nNk16 bf16 with A from registers (swap AB: the weight rows are M) and B (the
+//   tokens, N = 8 / 16) from shared memory through a K-major no-swizzle descriptor:
+//   core matrix = 8 rows x 16 bytes contiguous; LBO = distance of the two K-adjacent core matrices
+//   (128 B here), SBO = distance of 8-row groups (256 B here); bits [0,14) start>>4, [16,30)
+//   LBO>>4, [32,46) SBO>>4, layout type 0.
+//   A register fragment (cute ALayout_64x16): thread l of warp w holds rows m = 16w + l/4 (+8),
+//   K positions 2(l%4) + {0,1} (+8): reg0 = (m, k..k+1), reg1 = (m+8, k..k+1), reg2 = (m, k+8..k+9),
+//   reg3 = (m+8, k+8..k+9). Accumulator m64nN: d[i]: row = 16w + l/4 + 8((i>>1)&1),
+//   col = 8(i>>2) + 2(l%4) + (i&1).
+// * E2M1 -> bf16 without a table: for a word w of 8 nibbles (element i in nibble i), pair j
+//   (j = 0..3) = (nibble j, nibble j+4) -> one bf16x2: the 4 nibble bits are isolated by one mask,
+//   one integer multiply by (2^a + 2^(a+6)) writes two non-overlapping copies (no carries): the
+//   magnitude bits (e1 e0 m) land on bf16 bits [8:6] (exponent bits 1:0 + mantissa msb) and the
+//   sign on bit 15 (same for the high half, +16); one mask keeps them. The bf16 value is then
+//   exactly level * 2^-126 (E2M1 subnormal 0.5 -> bf16 subnormal 2^-127), and one mul.rn.bf16x2 by
+//   f = scale * 2^118 gives level * scale * 2^-8 exactly (<= 6 significant bits); the 2^8 goes
+//   into the epilogue's global scale.
+#pragma once
+#include "common.cuh"
+
+DSV4_DEVICE u32 md_smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------
+// mbarrier
+DSV4_DEVICE void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+DSV4_DEVICE void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+DSV4_DEVICE void mbar_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
+}
+DSV4_DEVICE void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+DSV4_DEVICE void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nMD_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra MD_WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+// arrive on bar once all prior cp.async of this thread have completed (counts as one arrival)
+DSV4_DEVICE void cp_async_mbar_arrive_noinc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+DSV4_DEVICE void md_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+DSV4_DEVICE void md_named_sync(u32 id, u32 nthreads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
+}
+
+// ------------------------------------------------------------------------------------------
+// copies
+DSV4_DEVICE void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// cp.async with an optional L2 prefetch-size hint (MD_L2PF = 0 / 64 / 128 / 256 bytes): the L2 fetches
+// the aligned 256-B sector group around the 16 bytes, i.e. the next 3 stages' chunks of the same
+// weight row, so that HBM sees 256-B requests instead of 64-B ones (a hint: no semantic change).
+#ifndef MD_L2PF
+#define MD_L2PF 256
+#endif
+#if MD_L2PF == 256
+#define MD_PF ".L2::256B"
+#elif MD_L2PF == 128
+#define MD_PF ".L2::128B"
+#elif MD_L2PF == 64
+#define MD_PF ".L2::64B"
+#else
+#define MD_PF ""
+#endif
+DSV4_DEVICE void md_cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global" MD_PF " [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
+}
+DSV4_DEVICE void md_cp_async8(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global" MD_PF " [%0], [%1], 8;\n" :: "r"(dst), "l"(src) : "memory");
+}
+DSV4_DEVICE void md_cp_async4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global" MD_PF " [%0], [%1], 4;\n" :: "r"(dst), "l"(src) : "memory");
+}
+DSV4_DEVICE u32x4 md_ld_shared_v4(u32 a) {
+  u32x4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
+  return r;
+}
+DSV4_DEVICE u32 md_ld_shared_u32(u32 a) {
+  u32 r;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a));
+  return r;
+}
+DSV4_DEVICE void md_st_shared_u32(u32 a, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
+}
+
+// ------------------------------------------------------------------------------------------
+// WGMMA (A from registers, B descriptor)
+DSV4_DEVICE u64 md_desc(u32 saddr, u32 lbo, u32 sbo) {
+  u64 d = 0;
+  d |= (u64)((saddr & 0x3FFFFu) >> 4);
+  d |= (u64)((lbo >> 4) & 0x3FFFu) << 16;
+  d |= (u64)((sbo >> 4) & 0x3FFFu) << 32;
+  return d;
+}
+DSV4_DEVICE void md_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+DSV4_DEVICE void md_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+DSV4_DEVICE void md_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+DSV4_DEVICE void md_fence_acc(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+DSV4_DEVICE void wgmma_m64n8k16_rs(float* d, const u32* a, u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+DSV4_DEVICE void wgmma_m64n16k16_rs(float* d, const u32* a, u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// mma.sync m16n8k16 bf16 (per warp; MD_MMA=1): A fragment = the per-warp slice of the WGMMA A
+// fragment above (reg0 (r, k..k+1), reg1 (r+8, ..), reg2 (r, k+8..), reg3 (r+8, k+8..)), B fragment
+// b0 = (k = 2(l%4) + {0,1}, n = l/4), b1 = (k + 8, n); D: d0,d1 = (r, 2(l%4) + {0,1}), d2,d3 = (r+8, ..),
+// i.e. the m64n8 accumulator layout of one warp.
+DSV4_DEVICE void mma_m16n8k16_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ------------------------------------------------------------------------------------------
+// decode
+DSV4_DEVICE u32 bmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+// 8 E2M1 (element i in nibble i of w) -> out[j] = bf16x2 (lo = element j, hi = element j+4),
+// each = level * sign * f * 2^-126 (f = bf16x2 {scale * 2^118, same}).
+DSV4_DEVICE void e2m1x8_bf16_pairs(u32 w, u32 f2, u32 out[4]) {
+  const u32 M = 0x81C081C0u;
+  const u32 w8 = w >> 8;
+  out[0] = bmul2(((w & 0x000F000Fu) * 4160u) & M, f2);   // 2^6 + 2^12
+  out[1] = bmul2(((w & 0x00F000F0u) * 260u) & M, f2);    // 2^2 + 2^8
+  out[2] = bmul2(((w8 & 0x000F000Fu) * 4160u) & M, f2);
+  out[3] = bmul2(((w8 & 0x00F000F0u) * 260u) & M, f2);
+}
+// bf16x2 {f, f} with f = 2^(b - 127) * 2^118 for a UE8M0 byte b (exact for b in [0, 136])
+DSV4_DEVICE u32 ue8m0_f2(u32 b) {
+  const u32 e = min(b + 118u, 254u);
+  return (e << 7) | (e << 23);
+}
+// bf16x2 {f, f} with f = e4m3(b) * 2^118 (exact for every E4M3 byte; NaN stays NaN)
+DSV4_DEVICE u32 e4m3_f2(u32 b) {
+  const float f = e4m3_to_f32(b) * 3.3230699894622794e+35f;  // 2^118
+  return pack_bf16x2(f, f);
+}
+DSV4_DEVICE float round_bf16_md(float x) { return bf16_lo_to_f32(pack_bf16x2(x, 0.0f) & 0xFFFFu); }
