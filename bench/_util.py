@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -18,8 +19,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["time_cuda", "time_graph", "copy_bandwidth", "env_info", "print_table", "save_json", "FP8_PEAK_TFLOPS",
-           "BF16_PEAK_TFLOPS", "rotating"]
+__all__ = ["time_cuda", "time_graph", "time_flush_l2", "copy_bandwidth", "env_info", "print_table", "save_json",
+           "json_safe", "FP8_PEAK_TFLOPS", "BF16_PEAK_TFLOPS", "rotating"]
 
 #: Dense tensor-core peaks measured on the project's H200 (shared/reference/anchors.md section 4 and
 #: cutedsl_guide.md: CUTLASS CuTe DSL Hopper GEMM at 8192^3). Benchmarks that can afford it
@@ -90,6 +91,14 @@ def time_graph(fns: Sequence[Callable[[], Any]], iters: int = 40, reps: int = 15
     return statistics.median(ts)
 
 
+def time_flush_l2(fn: Callable[[], Any], *, warmup: int = 3, rep: int = 20) -> float:
+    """Median time of ``fn()`` in microseconds with the L2 cache flushed before every call
+    (``triton.testing.do_bench``, ``return_mode="median"``; ``warmup`` / ``rep`` are its budgets in
+    milliseconds). Use for single large kernels whose inputs would otherwise stay L2-resident."""
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
 def rotating(make: Callable[[int], Any], total_bytes_each: int, min_total: int = 256 << 20) -> list:
     """Build enough input sets (``make(i)``) that together they exceed ``min_total`` bytes (> L2)."""
     n = max(1, min(16, -(-min_total // max(1, total_bytes_each))))
@@ -137,9 +146,23 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -
         print("  ".join(v.ljust(w[i]) for i, v in enumerate(x)))
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-inf) replaced by ``None`` (recursively through
+    dicts, lists and tuples), so that ``json.dump`` writes valid JSON (``null``) instead of ``NaN``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def save_json(path: str | None, payload: dict) -> None:
+    """Write ``{"env": env_info(), **payload}`` to ``path`` (no-op when ``path`` is empty) as strict
+    JSON: NaN / inf become ``null`` (:func:`json_safe`), other non-JSON values their ``str()``."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(dict(env=env_info(), **payload), f, indent=1, default=str)
+        json.dump(json_safe(dict(env=env_info(), **payload)), f, indent=1, default=str, allow_nan=False)

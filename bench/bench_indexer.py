@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-from bench._util import FP8_PEAK_TFLOPS, copy_bandwidth, print_table, save_json
+from bench._util import FP8_PEAK_TFLOPS, copy_bandwidth, print_table, save_json, time_cuda
 from dsv4.ops.indexer import FORMATS, indexer_logits, indexer_logits_paged, indexer_topk
 from dsv4.registry import use
 from bench._util import time_graph as _time_graph
@@ -48,17 +47,8 @@ def time_graph(fns, iters: int = 24, reps: int = 9) -> float:
 
 
 def time_eager(fn, iters: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    """Median microseconds of eager ``fn()`` after one warm-up call (bench._util.time_cuda)."""
+    return time_cuda(fn, warmup=1, iters=iters)
 
 
 def fp8_peak() -> float:
@@ -336,7 +326,11 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=170.0, help="seconds; later rows / compiles are skipped past it")
     ap.add_argument("--only", choices=["decode", "prefill"], default=None)
     args = ap.parse_args(argv)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        print("bench_indexer: times the CUDA indexer kernels and needs a CUDA GPU (none is visible); "
+              "on a CPU machine run the tests (pytest tests/test_indexer.py)", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
     budget = Budget(args.budget)
     bw = copy_bandwidth()
     peak = fp8_peak()
@@ -365,4 +359,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

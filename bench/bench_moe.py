@@ -17,18 +17,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import time
 
 import torch
 
-from bench._util import copy_bandwidth, time_graph
-
-
-def bench(fn, warmup=3, rep=20):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
+from bench._util import copy_bandwidth, save_json, time_flush_l2, time_graph
 
 
 def fp8_peak():
@@ -37,7 +31,7 @@ def fp8_peak():
     b = torch.randn(M, M, device="cuda").to(torch.float8_e4m3fn).t()
     sa = torch.ones(M, 1, device="cuda")
     sb = torch.ones(1, M, device="cuda")
-    t = bench(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+    t = time_flush_l2(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
     return 2 * M ** 3 / (t * 1e-6) / 1e12
 
 
@@ -57,7 +51,7 @@ def dsl_fp8_ceiling(peak, shapes=None, configs=CEILING_CONFIGS):
     """Rows "cute-dsl fp8 dense (ceiling)": the CuTe DSL FP8 dense GEMM (kernels_dsl/fp8_gemm.py,
     bf16 out) at the grouped GEMMs' per-expert prefill shapes and at 8192^3, as TFLOP/s and % of
     ``peak`` (torch._scaled_mm 8192^3, same run); torch._scaled_mm at the same shape alongside.
-    ``us``: triton do_bench median (L2 flushed, like the other prefill rows) of the fastest of
+    ``us``: bench._util.time_flush_l2 median (L2 flushed, like the other prefill rows) of the fastest of
     ``configs`` (all kept in ``configs_us``); ``us_graph``: CUDA-graph replay (warm L2, no host
     overhead). Skipped with a printed reason when the CuTe DSL is not importable or fails."""
     try:
@@ -79,7 +73,7 @@ def dsl_fp8_ceiling(peak, shapes=None, configs=CEILING_CONFIGS):
                 # validate + compile (or load the cached .o) once, outside the timing
                 launch, _ = G.fp8_gemm_launcher(a, b, tile_n=tile_n, cluster_m=cluster_m, epilogue=epi)
                 launch()
-                times[name] = (bench(launch), bench_graph(launch))
+                times[name] = (time_flush_l2(launch), bench_graph(launch))
             except Exception as e:  # noqa: BLE001
                 print(f"skipped cute-dsl fp8 dense (ceiling) {label} {M}x{N}x{K} {name}: "
                       f"{type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -89,7 +83,7 @@ def dsl_fp8_ceiling(peak, shapes=None, configs=CEILING_CONFIGS):
         t, tg = times[best]
         sa, sb = torch.ones(M, 1, device="cuda"), torch.ones(1, N, device="cuda")
         smm = lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
-        ts, tsg = bench(smm), bench_graph(smm)
+        ts, tsg = time_flush_l2(smm), bench_graph(smm)
         rows.append(dict(shape=label, fmt="-", act="fp8", mode="cute-dsl fp8 dense (ceiling)", experts=1, m=M,
                          n=N, k=K, config=best, us=t, us_graph=tg, tflops=fl / (t * 1e-6) / 1e12,
                          pct_peak=100 * fl / (t * 1e-6) / 1e12 / peak,
@@ -105,7 +99,9 @@ DECODE_KERNELS = (("decode-kernel", {}), ("v3 (DSV4_MOE_DECODE=0)", {"DSV4_MOE_D
 #: Prefill kernels compared: default v4 (warp-specialized) and v3; diagnostics time v4 with parts switched
 #: off (wrong results, timing only): 1 = no WGMMA, 2 = no FP4 decode, 3 = neither (loads + barriers).
 PREFILL_KERNELS = (("default (fp8: v4, bf16: v3)", {}), ("v3", {"DSV4_MOE_KERNEL": "v3"}))
-PREFILL_DIAG = tuple((f"v4 diag{d}", {"DSV4_MOE_KERNEL": "v4", "DSV4_MOE_DIAG": d}) for d in ("1", "2", "3"))
+#: (DSV4_MOE_DIAG is refused unless DSV4_BENCH_DIAGNOSTICS=1 is set too: dsv4/config.py)
+PREFILL_DIAG = tuple((f"v4 diag{d}", {"DSV4_MOE_KERNEL": "v4", "DSV4_MOE_DIAG": d, "DSV4_BENCH_DIAGNOSTICS": "1"})
+                     for d in ("1", "2", "3"))
 
 
 @contextlib.contextmanager
@@ -186,7 +182,7 @@ def baseline_bf16(n_active, m, D, I, w13_bf, w2_bf):
         gate, up = hh[..., :I].float(), hh[..., I:].float()
         h = (torch.nn.functional.silu(gate.clamp(max=10)) * up.clamp(-10, 10)).to(torch.bfloat16)
         return torch.bmm(h, w2_bf.transpose(1, 2))
-    return bench(f)
+    return time_flush_l2(f)
 
 
 def main():
@@ -222,7 +218,7 @@ def main():
                         gs.append(grouped(E, D, act, counts, "masked", max_m=m))
                     for label, kv in DECODE_KERNELS:
                         with env(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
-                            t_eager = bench(lambda: run_gemms(gs[0], W))
+                            t_eager = time_flush_l2(lambda: run_gemms(gs[0], W))
                             t = time_graph([lambda g=g: run_gemms(g, W) for g in gs], iters=max(4, n_rot), reps=10)
                         floor = n_active * bytes_per_expert / (bw * 1e9) * 1e6
                         rows.append(dict(shape=name, fmt=fmt, act=act, mode=f"decode-graph {label}", experts=n_active,
@@ -240,7 +236,7 @@ def main():
                         kernels = kernels + PREFILL_DIAG
                     for label, kv in kernels:
                         with env(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
-                            t = bench(lambda: run_gemms(g, W), rep=10)
+                            t = time_flush_l2(lambda: run_gemms(g, W), rep=10)
                         rows.append(dict(shape=name, fmt=fmt, act=act, mode=f"prefill {label}", experts=n_active, m=m,
                                          us=t, tflops=fl / (t * 1e-6) / 1e12 if "diag" not in label else float("nan"),
                                          pct_peak=100 * fl / (t * 1e-6) / 1e12 / peak if "diag" not in label
@@ -253,7 +249,7 @@ def main():
                 w13_bf = (w13_bf * W.g13[:n_active, :1, None]).to(torch.bfloat16)
                 w2_bf = (dequant_fp4_weight(W.w2[:n_active], W.w2_scale[:n_active], fmt)).to(torch.bfloat16)
                 t = baseline_bf16(n_active, m, D, I, w13_bf, w2_bf)
-                tdq = bench(lambda: (dequant_fp4_weight(W.w13[:n_active], W.w13_scale[:n_active], fmt).to(torch.bfloat16),
+                tdq = time_flush_l2(lambda: (dequant_fp4_weight(W.w13[:n_active], W.w13_scale[:n_active], fmt).to(torch.bfloat16),
                                      dequant_fp4_weight(W.w2[:n_active], W.w2_scale[:n_active], fmt).to(torch.bfloat16)), rep=5)
                 floor = n_active * bytes_per_expert / (bw * 1e9) * 1e6
                 rows.append(dict(shape=name, fmt=fmt, act="torch-bf16", mode="baseline", experts=n_active, m=m,
@@ -269,10 +265,9 @@ def main():
         print(f"| {r['shape']} | {r['fmt']} | {r['act']} | {r['mode']} | {r['experts']} x {r['m']} | {r['us']:.1f} | "
               f"{r.get('floor_us', float('nan')):.1f} | {r.get('pct_bw', float('nan')):.0f} | {r['tflops']:.0f} | "
               f"{r.get('pct_peak', float('nan')):.0f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_bw_GBps": bw, "fp8_peak_tflops": peak, "rows": rows,
-                       "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+    # NaN (diagnostics rows, missing columns) -> null: strict JSON (bench/_util.py save_json)
+    save_json(args.json, {"copy_bw_GBps": bw, "fp8_peak_tflops": peak, "rows": rows,
+                          "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")})
 
 
 if __name__ == "__main__":

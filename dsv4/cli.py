@@ -5,13 +5,38 @@ Commands:
     dsv4 ops       the registry table for this machine (op, providers, chosen, reason)
     dsv4 layouts   the layout specs of each op's boundary (``--write DIR`` renders docs/layouts)
     dsv4 bench OP  runs ``bench/bench_<OP>.py`` with the remaining arguments
+                   (``dsv4 bench --help`` lists them; ``dsv4 bench OP --help``: the benchmark's own options)
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
+
+#: ``--device`` choices: ``auto`` = cuda if a GPU is visible, else cpu
+DEVICES = ("auto", "cpu", "cuda")
+_ROOT = Path(__file__).resolve().parents[1]
+_BENCH_DIR = _ROOT / "bench"
+
+
+def _device(arg: str | None) -> str | None:
+    """``--device`` value -> torch device string, None for ``auto``."""
+    return None if arg in (None, "auto") else arg
+
+
+def _benchmarks() -> list[tuple[str, str]]:
+    """(name, first docstring line) of each ``bench/bench_<name>.py``."""
+    import ast
+    out = []
+    for p in sorted(_BENCH_DIR.glob("bench_*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+        except (OSError, SyntaxError, ValueError):
+            doc = ""
+        out.append((p.stem[len("bench_"):], doc.strip().splitlines()[0] if doc.strip() else ""))
+    return out
 
 
 def _console():
@@ -25,7 +50,13 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
     from .registry import all_ops
     from .target import Target
-    target = Target.of(args.device)
+    dev = _device(args.device)
+    if dev == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("dsv4 ops: --device cuda: no CUDA device is visible (use --device cpu or auto)", file=sys.stderr)
+            return 2
+    target = Target.of(dev)
     t = Table(title=f"dsv4 ops on {target}", show_lines=False)
     for c in ("op", "provider", "can run", "chosen", "reason"):
         t.add_column(c, overflow="fold")
@@ -72,15 +103,17 @@ def cmd_layouts(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     import runpy
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1] / "bench"
-    path = root / f"bench_{args.op}.py"
+    path = _BENCH_DIR / f"bench_{args.op}.py"
     if not path.exists():
-        avail = sorted(p.stem[len("bench_"):] for p in root.glob("bench_*.py"))
-        print(f"dsv4 bench: no benchmark for {args.op!r}; available: {', '.join(avail)}", file=sys.stderr)
+        avail = [n for n, _ in _benchmarks()]
+        print(f"dsv4 bench: no benchmark for {args.op!r}; available: {', '.join(avail)} "
+              f"(dsv4 bench --help describes them)", file=sys.stderr)
         return 2
     import torch
-    if not torch.cuda.is_available():
+    wants_help = any(a in ("-h", "--help") for a in rest)
+    if str(_ROOT) not in sys.path:          # the bench scripts import bench._util
+        sys.path.insert(0, str(_ROOT))
+    if not wants_help and not torch.cuda.is_available():
         print(f"dsv4 bench {args.op}: benchmarks time the GPU kernels and need a CUDA GPU (none is visible). "
               "On a CPU machine run `dsv4 run` (torch reference path) or the tests.", file=sys.stderr)
         return 2
@@ -89,13 +122,51 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from .pipeline import InputError, run_csa_layer
+def _nonfinite_inputs(path: str) -> list[str]:
+    """One line per floating tensor of the ``--inputs`` file holding NaN / Inf values (empty if
+    none, or if the file cannot be read: the pipeline then reports that)."""
     try:
-        run_csa_layer(args)
+        import torch
+        from safetensors import safe_open
+        bad = []
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                if t.is_floating_point() and t.numel():
+                    n = int((~torch.isfinite(t)).sum())
+                    if n:
+                        bad.append(f"'{key}' {list(t.shape)}: {n} of {t.numel()} values are NaN/Inf "
+                                   f"({int(torch.isnan(t).sum())} NaN)")
+        return bad
+    except Exception:  # noqa: BLE001  (unreadable file: run_csa_layer raises the InputError)
+        return []
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .pipeline import RATIO, InputError, run_csa_layer
+    args.device = _device(args.device)
+    warning = ""
+    if args.inputs:
+        bad = _nonfinite_inputs(args.inputs)
+        if bad:
+            warning = (f"dsv4 run: WARNING: --inputs {args.inputs} contains non-finite values:\n  " + "\n  ".join(bad)
+                       + "\n  The logits, the top-k selection and the recall / cosine numbers computed from them "
+                         "are meaningless (a recall of 0.0000 or NaN is expected); fix the captured tensors.")
+            print(warning, file=sys.stderr)
+    try:
+        out = run_csa_layer(args)
     except InputError as e:
         print(f"dsv4 run: {e}", file=sys.stderr)
         return 2
+    cfg = out.get("config", {}) if isinstance(out, dict) else {}
+    k, n = cfg.get("topk"), cfg.get("entries")
+    if isinstance(k, int) and isinstance(n, int) and k >= n:
+        print(f"note: top-{k} >= {n} compressed entries per sequence: every visible entry is selected, so the "
+              f"top-k recall is trivially 1.0 and measures nothing (use a context longer than {RATIO} x {k} = "
+              f"{RATIO * k} tokens, i.e. more than {k} compressed entries)")
+    if warning:
+        print("dsv4 run: WARNING: the inputs contain NaN/Inf values (see above): the quality numbers are meaningless",
+              file=sys.stderr)
     return 0
 
 
@@ -113,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", type=int, default=None, help="decode batch size (default: 8 on GPU, 2 on CPU)")
     r.add_argument("--next-n", type=int, default=1, choices=(1, 2, 3, 4), help="queries per sequence (MTP)")
     r.add_argument("--format", choices=("mxfp4", "nvfp4", "fp8"), default="mxfp4", help="indexer key format")
-    r.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    r.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to run: cuda, cpu or auto (default: auto = cuda if a GPU is visible, else cpu)")
     r.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default: 0)")
     r.add_argument("--json", metavar="PATH", help="write the results as JSON")
     r.add_argument("--plot", metavar="PATH", help="write a PNG time-breakdown / roofline chart")
@@ -122,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("ops", help="registry table: op, providers, chosen, reason")
     o.add_argument("op", nargs="*")
-    o.add_argument("--device", default=None)
+    o.add_argument("--device", choices=DEVICES, default="auto",
+                   help="target machine of the table: cuda, cpu or auto (default: auto)")
     o.add_argument("--json", action="store_true")
 
     l_ = sub.add_parser("layouts", help="print layout specs (or --write DIR / --check DIR for docs/layouts)")
@@ -130,8 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     l_.add_argument("--write", metavar="DIR")
     l_.add_argument("--check", metavar="DIR")
 
-    b = sub.add_parser("bench", help="run bench/bench_<OP>.py (extra arguments are passed through)")
-    b.add_argument("op")
+    benches = _benchmarks()
+    width = max([len(n) for n, _ in benches] + [4])
+    listing = "\n".join(f"  {n:<{width}}  {d}" for n, d in benches) or "  (none found under bench/)"
+    b = sub.add_parser("bench", help="run bench/bench_<OP>.py (extra arguments are passed through)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run a GPU benchmark, bench/bench_<OP>.py, passing the remaining arguments "
+                                   "through (needs a CUDA GPU).",
+                       epilog="available benchmarks (OP):\n" + listing + "\n\n"
+                              "A benchmark's own options: dsv4 bench OP --help (e.g. dsv4 bench topk --help; works "
+                              "without a GPU).\nExample: dsv4 bench topk --json out/topk.json")
+    b.add_argument("op", metavar="OP", help="benchmark name: " + ", ".join(n for n, _ in benches))
     return p
 
 
@@ -139,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
     if argv and argv[0] == "bench":
-        args, rest = p.parse_known_args(argv)
-        return cmd_bench(args, rest)
+        if len(argv) >= 2 and not argv[1].startswith("-"):
+            # everything after OP belongs to the benchmark (including its own --help)
+            return cmd_bench(argparse.Namespace(cmd="bench", op=argv[1]), argv[2:])
+        p.parse_args(argv)            # `dsv4 bench --help` / missing OP: argparse prints and exits
+        return 2
     args = p.parse_args(argv)
     return {"run": cmd_run, "ops": cmd_ops, "layouts": cmd_layouts}[args.cmd](args)
 

@@ -33,6 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
+from .config import env_flag
 from .target import Target
 
 __all__ = [
@@ -215,7 +216,7 @@ class Op:
     def dispatch(self, problem: Mapping[str, Any], target: Target, **args: Any) -> Any:
         """Select a provider for ``problem`` on ``target`` and run it."""
         p, choice = self.select(problem, target)
-        if os.environ.get("DSV4_PRINT_LAYOUTS") == "1" and self.spec is not None:
+        if env_flag("DSV4_PRINT_LAYOUTS") and self.spec is not None:
             from .layout import print_boundary
             print_boundary(self.spec, choice, args)
         return p.run(problem, **args)

@@ -317,7 +317,9 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
     const i32* __restrict__ range_hi,  // prefill ke [R]; paged block_table [B, max_blocks]
     float* __restrict__ logits,        // [R, ld]
     i32 R, i32 n_keys, i64 ld, i32 chunk_tiles, i32 block_size, i32 max_blocks,
-    i32 rows_per_seq) {  // == IDX_NQ on this path (one CTA row block per sequence)
+    i32 rows_per_seq,    // == IDX_NQ on this path (one CTA row block per sequence)
+    i32 num_blocks) {    // paged: pages of the cache; block_table entries outside [0, num_blocks)
+                         // are never dereferenced (block 0 is loaded instead) and their keys get -inf
   extern __shared__ __align__(1024) u8 smem_raw[];
   LogitsSmem& sm = *reinterpret_cast<LogitsSmem*>(
       (reinterpret_cast<unsigned long long>(smem_raw) + 1023ull) & ~1023ull);
@@ -375,16 +377,23 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
 #if IDX_PAGED
   const i32* btab = range_hi + (i64)blockIdx.x * max_blocks;
 #endif
+  auto page_ok = [&](int s) -> bool {  // key s lies in a valid page (paged); always true for prefill
+#if IDX_PAGED
+    return (u32)__ldg(btab + s / block_size) < (u32)num_blocks;
+#else
+    return s >= 0;
+#endif
+  };
   auto tile_ptrs = [&](int s0, const u8*& vals, const u8*& sfs) {
 #if IDX_PAGED && IDX_TUNED
     const i64 page = (i64)sm.pages[(s0 - p0) >> 6];
-    const u8* base = k_data + page * block_size * IDX_BPT;
+    const u8* base = k_data + ((u64)page < (u64)num_blocks ? page : 0) * block_size * IDX_BPT;
     const int off = s0 % block_size;
     vals = base + (i64)off * IDX_VB;
     sfs = base + (i64)block_size * IDX_VB + (i64)off * IDX_SB;
 #elif IDX_PAGED
     const i64 page = (i64)__ldg(btab + s0 / block_size);
-    const u8* base = k_data + page * block_size * IDX_BPT;
+    const u8* base = k_data + ((u64)page < (u64)num_blocks ? page : 0) * block_size * IDX_BPT;
     const int off = s0 % block_size;
     vals = base + (i64)off * IDX_VB;
     sfs = base + (i64)block_size * IDX_VB + (i64)off * IDX_SB;
@@ -544,7 +553,7 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
       if (r < R && q4 < 2) {
         const int s = s0 + rA + 8 * q4;
         const float v = q4 == 0 ? v0 * kscale0 : v1 * kscale1;
-        if (s < c1) logits[(i64)r * ld + s] = (s >= lo[qi] && s < hi[qi]) ? v : NEG_INF;
+        if (s < c1) logits[(i64)r * ld + s] = (s >= lo[qi] && s < hi[qi] && page_ok(s)) ? v : NEG_INF;
       }
     }
   }
@@ -714,8 +723,9 @@ extern "C" __global__ void __launch_bounds__(128, IDX_MINB) indexer_logits_kerne
     const float* __restrict__ q_gs, const float* __restrict__ k_gs, const u8* __restrict__ k_data,
     const u8* __restrict__ k_sf, const i32* __restrict__ range_lo, const i32* __restrict__ range_hi,
     float* __restrict__ logits, i32 R, i32 n_keys, i64 ld, i32 chunk_tiles, i32 block_size, i32 max_blocks,
-    i32 rows_per_seq) {  // paged: query rows per sequence (next_n); IDX_NQ divides it (NQ < next_n: the
+    i32 rows_per_seq,    // paged: query rows per sequence (next_n); IDX_NQ divides it (NQ < next_n: the
                          // rows of one sequence are split over adjacent CTAs that share its pages via L2)
+    i32 num_blocks) {    // paged: invalid block_table entries -> block 0 loaded, keys -inf (as above)
   extern __shared__ __align__(1024) u8 smem_raw[];
   LogitsSmem8& sm = *reinterpret_cast<LogitsSmem8*>(
       (reinterpret_cast<unsigned long long>(smem_raw) + 1023ull) & ~1023ull);
@@ -764,6 +774,13 @@ extern "C" __global__ void __launch_bounds__(128, IDX_MINB) indexer_logits_kerne
 #if IDX_PAGED
   const i32* btab = range_hi + (i64)(row0 / rows_per_seq) * max_blocks;
 #endif
+  auto page_ok = [&](int s) -> bool {  // key s lies in a valid page (paged); always true for prefill
+#if IDX_PAGED
+    return (u32)__ldg(btab + s / block_size) < (u32)num_blocks;
+#else
+    return s >= 0;
+#endif
+  };
   auto tile_ptrs = [&](int s0, const u8*& vals, const u8*& sfs) {
 #if IDX_PAGED
 #if IDX_TUNED
@@ -771,7 +788,7 @@ extern "C" __global__ void __launch_bounds__(128, IDX_MINB) indexer_logits_kerne
 #else
     const i64 page = (i64)__ldg(btab + s0 / block_size);
 #endif
-    const u8* base = k_data + page * block_size * IDX_BPT;
+    const u8* base = k_data + ((u64)page < (u64)num_blocks ? page : 0) * block_size * IDX_BPT;
     const int off = s0 % block_size;
     vals = base + (i64)off * IDX_VB;
     sfs = base + (i64)block_size * IDX_VB + (i64)off * IDX_SB;
@@ -941,7 +958,7 @@ extern "C" __global__ void __launch_bounds__(128, IDX_MINB) indexer_logits_kerne
 #else
         const float v = q4 == 0 ? v0 : v1;
 #endif
-        if (s < c1) logits[(i64)r * ld + s] = (s >= lo[qi] && s < hi[qi]) ? v : NEG_INF;
+        if (s < c1) logits[(i64)r * ld + s] = (s >= lo[qi] && s < hi[qi] && page_ok(s)) ? v : NEG_INF;
       }
     }
   };
@@ -1099,7 +1116,7 @@ DSV4_DEVICE u32 ue8m0_ceil_byte(float x) {
   return ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u);
 }
 
-// mode 0: cache writer: row n -> slot_mapping[n] (skip if < 0) in the paged cache.
+// mode 0: cache writer: row n -> slot_mapping[n] (skipped if < 0 or >= num_slots) in the paged cache.
 // mode 1: query quantizer: row n -> q_out + n*VB, sf_out + n*SB(q), w_out[n] (FP8 folds its scale).
 extern "C" __global__ void __launch_bounds__(128) indexer_quant_kernel(
     const u16* __restrict__ x,          // [rows, 128] bf16 bits
@@ -1109,14 +1126,15 @@ extern "C" __global__ void __launch_bounds__(128) indexer_quant_kernel(
     u8* __restrict__ sf_out,            // mode 1: q scales [rows, SB] (FP4 formats)
     const float* __restrict__ w_in,     // mode 1: [rows] (= [T*64]) weights
     float* __restrict__ w_out,          // mode 1: [rows]
-    i64 rows, i32 block_size, i32 mode) {
+    i64 rows, i32 block_size, i32 mode,
+    i64 num_slots) {  // mode 0: num_blocks * block_size; slots outside [0, num_slots) are skipped
   const int lane = threadIdx.x & 31;
   const i64 n = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
   if (n >= rows) return;
   u8 *vdst, *sdst;
   if (mode == 0) {
     const i64 slot = __ldg(slot_mapping + n);
-    if (slot < 0) return;
+    if (slot < 0 || slot >= num_slots) return;  // -1 = skip; out of range = skip (never written OOB)
     const i64 b = slot / block_size, j = slot % block_size;
     u8* base = out + b * block_size * IDX_BPT;
     vdst = base + j * IDX_VB;

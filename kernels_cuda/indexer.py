@@ -31,11 +31,10 @@ the others were not faster and stay off.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from dsv4.config import env_choice, env_flag, env_int
 from dsv4.registry import Support
 
 from ._provider import CudaProvider
@@ -56,7 +55,7 @@ def tuned() -> bool:
     block-table prefetch + batched query loads (IDX_TUNED), max smem carveout, 3 CTAs/SM decode
     rings, one-wave decode grids, 64-tile prefill chunks. GPU gates passed with it on the H200
     (2026-11-29, tests/test_indexer.py)."""
-    return os.environ.get("DSV4_INDEXER_TUNED", "1") == "1"
+    return env_flag("DSV4_INDEXER_TUNED")
 
 
 def _fastdec() -> int:
@@ -111,10 +110,7 @@ def mma_mode() -> str:
     """``DSV4_INDEXER_MMA`` for MXFP4 keys: ``auto`` (default: decode on the FP8 path, prefill on the
     BF16 path -- the faster of the two exact paths as measured on the H200, docs/benchmarks.md),
     ``fp8`` (both on wgmma m64nNk32 e4m3) or ``bf16`` (both on wgmma m64nNk16 BF16)."""
-    v = os.environ.get("DSV4_INDEXER_MMA", "auto").lower()
-    if v not in ("auto", "fp8", "bf16"):
-        raise ValueError(f"DSV4_INDEXER_MMA must be 'auto', 'fp8' or 'bf16', got {v!r}")
-    return v
+    return env_choice("DSV4_INDEXER_MMA")
 
 
 def fp8_keys_mode() -> str:
@@ -124,10 +120,7 @@ def fp8_keys_mode() -> str:
     over the 128 dims). The two FP8-MMA modes are NOT exact on Hopper (its FP8 accumulator keeps
     ~13 mantissa bits and E4M3 x E4M3 products of one block span many binades): their gate (a)
     error is measured by tests/test_indexer.py::test_gpu_mma_variants_gate_a."""
-    v = os.environ.get("DSV4_INDEXER_FP8_KEYS", "bf16").lower()
-    if v not in ("bf16", "fold", "nofold"):
-        raise ValueError(f"DSV4_INDEXER_FP8_KEYS must be 'bf16', 'fold' or 'nofold', got {v!r}")
-    return v
+    return env_choice("DSV4_INDEXER_FP8_KEYS")
 
 
 def mma8_config(fmt: str, nq: int, paged: bool = True):
@@ -142,7 +135,7 @@ def mma8_config(fmt: str, nq: int, paged: bool = True):
         mode = mma_mode()
         if mode == "bf16" or (mode == "auto" and not paged):
             return None
-        if paged and nq == 1 and os.environ.get("DSV4_INDEXER_DECODE_ACCBUF", "2") == "1":
+        if paged and nq == 1 and env_int("DSV4_INDEXER_DECODE_ACCBUF") == 1:
             return (1, 1, 5)   # tuning knob (bench): one block accumulator, 96 registers, 5 CTAs/SM
         return {1: (1, 2, 4), 2: (1, 2, 2), 3: (1, 1, 2)}.get(nq)
     mode = fp8_keys_mode()
@@ -159,7 +152,7 @@ def prefill_nq(fmt: str) -> int:
     cfg = mma8_config(fmt, 2, False)
     if cfg is None or not cfg[0]:
         return PREFILL_NQ
-    nq = int(os.environ.get("DSV4_INDEXER_PREFILL_NQ", "2"))   # tuning knob (bench): 1..3
+    nq = env_int("DSV4_INDEXER_PREFILL_NQ")   # tuning knob (bench): 1..3
     return nq if mma8_config(fmt, nq, False) is not None else 2
 
 
@@ -178,7 +171,7 @@ def split_next_n() -> bool:
     """``DSV4_INDEXER_SPLIT_NN`` (default 0): decode with next_n > 1 on the FP8 path runs one CTA per
     query row (N = 64, 128 registers, 4 CTAs/SM) instead of one CTA per sequence (N = 64 next_n);
     the next_n CTAs of a sequence are adjacent in the grid and read the same pages (L2 hits)."""
-    return os.environ.get("DSV4_INDEXER_SPLIT_NN", "0") == "1"
+    return env_flag("DSV4_INDEXER_SPLIT_NN")
 
 
 def bulk_copies() -> bool:
@@ -186,7 +179,7 @@ def bulk_copies() -> bool:
     B=128 x 32768 222 vs 252 us next_n 1, 389 vs 415 us next_n 2; ``=0`` restores cp.async): MXFP4 decode on the FP8 path loads each 64-key page slice
     with two ``cp.async.bulk`` copies issued by one thread (mbarrier ring, one CTA barrier per
     tile) instead of 16-byte ``cp.async`` by every thread (two barriers per tile)."""
-    return os.environ.get("DSV4_INDEXER_BULK", "1") == "1"
+    return env_flag("DSV4_INDEXER_BULK")
 
 
 def _kernel(fmt: str, nq: int, paged: bool):
@@ -204,7 +197,7 @@ def _kernel(fmt: str, nq: int, paged: bool):
         else:
             st = 3
         smem = logits8_smem_bytes(fmt, nq, st, paged, bulk)
-        defer = int(os.environ.get("DSV4_INDEXER_DEFER", "0") == "1")   # tuning knob (bench), default off
+        defer = int(env_flag("DSV4_INDEXER_DEFER"))   # tuning knob (bench), default off
         mod = load("indexer.cu", IDX_FMT=_FMT[fmt], IDX_NQ=nq, IDX_PAGED=int(paged), IDX_STAGES=st,
                    IDX_TUNED=int(tuned()), IDX_MAX_CHUNK_TILES=MAX_CHUNK_TILES, IDX_MMA8=1, IDX_FOLD=fold,
                    IDX_ACCBUF=accbuf, IDX_BULK=int(bulk), IDX_DEFER=defer, IDX_MINB=ctas)
@@ -242,7 +235,7 @@ class CudaCacheWrite(_Base):
         slot = slot_mapping.to(torch.int64)
         g = global_scale if global_scale is not None else slot
         launch(mod.kernel("indexer_quant_kernel"), (n + 3) // 4, 128, k, slot, g, cache, cache, slot, slot,
-               np.int64(n), np.int32(cache.shape[1]), np.int32(0))
+               np.int64(n), np.int32(cache.shape[1]), np.int32(0), np.int64(cache.shape[0] * cache.shape[1]))
         return None
 
 
@@ -263,7 +256,7 @@ class CudaQQuant(_Base):
         g = global_scale if global_scale is not None else w
         sf = q_sf if fmt != "fp8" else q_data
         launch(mod.kernel("indexer_quant_kernel"), (rows + 3) // 4, 128, q, w, g, q_data, sf, w, w_out,
-               np.int64(rows), np.int32(1), np.int32(1))
+               np.int64(rows), np.int32(1), np.int32(1), np.int64(0))
         return q_data, q_sf, w_out
 
 
@@ -286,7 +279,7 @@ class CudaLogits(_Base):
         qsf = q_sf if q_sf.numel() else q_data
         launch(kern, grid, 128, q_data, qsf, w, qg, kg, k_data, k_sf, ks, ke, out,
                np.int32(T), np.int32(S), np.int64(S), np.int32(ct), np.int32(64), np.int32(0), np.int32(nq),
-               smem=smem)
+               np.int32(0), smem=smem)
         return out
 
 
@@ -337,7 +330,7 @@ class CudaPagedLogits(_Base):
         qsf = q_sf if q_sf.numel() else q_data
         launch(kern, grid, 128, q_data, qsf, w, qg, kg, cache, cache, lens, block_table, out,
                np.int32(B * nn), np.int32(max_ctx), np.int64(max_ctx), np.int32(ct), np.int32(cache.shape[1]),
-               np.int32(block_table.shape[1]), np.int32(nn), smem=smem)
+               np.int32(block_table.shape[1]), np.int32(nn), np.int32(cache.shape[0]), smem=smem)
         return out
 
 

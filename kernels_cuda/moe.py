@@ -13,11 +13,11 @@ written directly in CUDA C++ for control over that decode layout (a DSL port is 
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
 
+from dsv4.config import env_choice, env_flag, env_int
 from dsv4.registry import Support
 
 from ._provider import CudaProvider
@@ -40,11 +40,9 @@ def kernel_version() -> str:
     decode by the WGMMA warps, 128B-swizzled operands), ``v2`` (v3 with no-swizzle operands) or ``v1``
     (register prefetch, no swizzle). All pass the GPU tests on the H200 (2026-11-29); W4A8 prefill:
     v4 is 1.6-1.7x faster than v3, v3 1.1-1.8x faster than v2.
-    Per (act, fmt) the kernel actually run is :func:`effective_version`."""
-    v = os.environ.get("DSV4_MOE_KERNEL", DEFAULT_VERSION)
-    if v not in ("v1", "v2", "v3", "v4"):
-        raise ValueError(f"DSV4_MOE_KERNEL must be 'v1', 'v2', 'v3' or 'v4', got {v!r}")
-    return v
+    Per (act, fmt) the kernel actually run is :func:`effective_version`.
+    Raises: ValueError naming ``DSV4_MOE_KERNEL`` for any other value (dsv4/config.py)."""
+    return env_choice("DSV4_MOE_KERNEL", DEFAULT_VERSION)
 
 
 def effective_version(act: str, fmt: str, version: str | None = None) -> str:
@@ -62,16 +60,15 @@ DEFAULT_VERSION = "v4"  # GPU tests pass (H200, 2026-11-29, 1 and 2 producer war
 
 
 def v4_producer_warpgroups() -> int:
-    """``DSV4_MOE_V4_PWG``: producer warpgroups of the v4 kernel (1 or 2, default 2)."""
-    v = os.environ.get("DSV4_MOE_V4_PWG", "2")
-    if v not in ("1", "2"):
-        raise ValueError(f"DSV4_MOE_V4_PWG must be '1' or '2', got {v!r}")
-    return int(v)
+    """``DSV4_MOE_V4_PWG``: producer warpgroups of the v4 kernel (1 or 2, default 2).
+    Raises: ValueError naming the variable for any other value."""
+    return env_int("DSV4_MOE_V4_PWG")
 
 
 def v4_stages(lo: int) -> int:
-    """v4 ring depth: ``DSV4_MOE_V4_STAGES`` (tuning only) or 3 (NVFP4 W4A8: hi + lo tiles) / 4."""
-    return int(os.environ.get("DSV4_MOE_V4_STAGES", 3 if lo else 4))
+    """v4 ring depth: ``DSV4_MOE_V4_STAGES`` (tuning only, 2..8) or 3 (NVFP4 W4A8: hi + lo tiles) / 4.
+    Raises: ValueError naming the variable for a non-integer or out-of-range value."""
+    return env_int("DSV4_MOE_V4_STAGES", 3 if lo else 4)
 
 
 def smem_bytes(act: str, E: int, version: str = DEFAULT_VERSION, fmt: str = "mxfp4") -> int:
@@ -92,15 +89,36 @@ def smem_bytes(act: str, E: int, version: str = DEFAULT_VERSION, fmt: str = "mxf
 _configured: dict = {}  # kernel config -> largest dynamic smem limit set so far
 
 
-def _kernel(act: str, fmt: str, stage: int, E: int):
-    ver = effective_version(act, fmt)
-    diag = {"MOE_DIAG": int(os.environ["DSV4_MOE_DIAG"])} if os.environ.get("DSV4_MOE_DIAG") else {}  # bench only
+def diag_macros(ver: str) -> dict:
+    """Extra ``moe.cu`` macros from the tuning / diagnostics environment (dsv4/config.py):
+    ``MOE_DIAG`` (``DSV4_MOE_DIAG`` 1..3: diagnostics kernels with WRONG results, benchmarks only),
+    and for v4 ``V4_PWG``, ``V4_STAGES`` (``DSV4_MOE_V4_STAGES``, when set), ``V4_WCOAL``
+    (``DSV4_MOE_V4_WCOAL=1``). Pure host code.
+    Raises: ValueError naming the variable for a bad value, and naming ``DSV4_MOE_DIAG`` and
+    ``DSV4_BENCH_DIAGNOSTICS`` when a diagnostics kernel is requested without
+    ``DSV4_BENCH_DIAGNOSTICS=1``."""
+    diag = {}
+    d = env_int("DSV4_MOE_DIAG")
+    if d:
+        if not env_flag("DSV4_BENCH_DIAGNOSTICS"):
+            raise ValueError(f"DSV4_MOE_DIAG={d} selects a diagnostics kernel that computes WRONG results "
+                             "(benchmarks only); it is honoured only together with DSV4_BENCH_DIAGNOSTICS=1 "
+                             "(unset DSV4_MOE_DIAG for correct results)")
+        diag["MOE_DIAG"] = d
     if ver == "v4":
         diag["V4_PWG"] = v4_producer_warpgroups()
-        if os.environ.get("DSV4_MOE_V4_STAGES"):  # tuning only
-            diag["V4_STAGES"] = int(os.environ["DSV4_MOE_V4_STAGES"])
-        if os.environ.get("DSV4_MOE_V4_WCOAL", "0") != "0":  # tuning only: coalesced weight copies (moe.cu V4_WCOAL)
-            diag["V4_WCOAL"] = int(os.environ["DSV4_MOE_V4_WCOAL"])
+        st = env_int("DSV4_MOE_V4_STAGES", None)  # tuning only
+        if st is not None:
+            diag["V4_STAGES"] = st
+        wc = env_int("DSV4_MOE_V4_WCOAL")  # tuning only: coalesced weight copies (moe.cu V4_WCOAL)
+        if wc:
+            diag["V4_WCOAL"] = wc
+    return diag
+
+
+def _kernel(act: str, fmt: str, stage: int, E: int):
+    ver = effective_version(act, fmt)
+    diag = diag_macros(ver)
     mod = load("moe.cu", MOE_ACT=_ACT[act], MOE_WFMT=_FMT[fmt], MOE_STAGE=stage, MOE_SW128=int(ver != "v2"), **diag)
     k = mod.kernel({"v1": "moe_gemm_kernel", "v4": "moe_gemm_kernel_v4"}.get(ver, "moe_gemm_kernel_v2"))
     smem = smem_bytes(act, E, ver, fmt)

@@ -14,45 +14,47 @@ distribution is correct, an expert with many rows is cut into chunks of ``NT`` t
 ``DSV4_MOE_DECODE_STAGES``,
 ``DSV4_MOE_DECODE_NWG`` (consumer warpgroups per CTA, 1 or 2; stage 1 with FP8 always uses 2),
 ``DSV4_MOE_DECODE_SPLITK`` (largest device-side split-K factor, default :data:`DECODE_SPLITK`; 1 = off).
+Defaults and allowed values of these variables: ``dsv4/config.py`` (``VARS``, docs/configuration.md); a
+bad value raises ``ValueError`` naming the variable.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
+
+from dsv4.config import default as _env_default
+from dsv4.config import env_flag, env_int
 
 from .nvrtc import launch, load, set_max_dynamic_smem
 
 __all__ = ["plan", "gemm1_swiglu", "gemm2", "smem_bytes", "DECODE_MAX_M"]
 
+# The defaults below are the table defaults of dsv4/config.py (VARS), the single source of truth.
 #: largest ``ceil(R / E)`` (= ``max_m`` of the masked layout) sent to the decode kernel
-DECODE_MAX_M = 16
+DECODE_MAX_M = _env_default("DSV4_MOE_DECODE_MAXM")  # 16
 #: largest split-K factor the kernel may pick on the device (it picks the smallest power of two whose
 #: static schedule fills the grid to >= 90%, e.g. 8 experts x 1 token: 2 (Flash), 4 (Pro GEMM1))
-DECODE_SPLITK = 4
+DECODE_SPLITK = _env_default("DSV4_MOE_DECODE_SPLITK")  # 4
 #: weight copies: 0 = 16-byte cp.async by the producer warp (default: measured 2.8x faster on the H200,
 #: 2026-11-29), 1 = one 64-byte 1-D bulk copy per row and stage (TMA issue-bound at this size)
-DECODE_BULK = 0
+DECODE_BULK = _env_default("DSV4_MOE_DECODE_BULK")  # 0
 #: consumer math: 1 = per-warp mma.sync m16n8k16 (default), 0 = warpgroup RS WGMMA m64nNk16 (same
-#: A fragments; GPU-validated 2026-11-29; its best rate, 41% of copy BW, is consistent with a
-#: suspected issue limit of one tiny m64n8k16 per 1024 weights). mma.sync: CPU-emulated, not yet run
-#: on the GPU; scripts/gpu_moe_decode.sh tests and times both: set 0 if mma.sync fails or is slower.
-DECODE_MMA = 1
+#: A fragments; its best rate, 41% of copy BW, is consistent with a suspected issue limit of one tiny
+#: m64n8k16 per 1024 weights). Both pass the GPU tests on the H200 (2026-11-29, tests/test_moe_decode.py:
+#: 33 passed, both consumers). mma.sync timed there (bench/bench_moe.py, docs/benchmarks.md: DSV4-Flash
+#: MXFP4, FP8 activations, CUDA-graph replay, active experts x tokens each, % of the measured copy
+#: bandwidth on their weight bytes): 8 x 1 80.8 us (31%), 64 x 4 417 us (48%), 256 x 16 1793 us (45%).
+DECODE_MMA = _env_default("DSV4_MOE_DECODE_MMA")  # 1
 #: L2 prefetch-size hint (bytes: 0, 64, 128, 256) on the cp.async weight / scale copies: each stage
 #: reads 64 B per weight row, the hint makes the L2 fetch the row's aligned 256 B (4 stages) at once
-DECODE_L2PF = 256
+DECODE_L2PF = _env_default("DSV4_MOE_DECODE_L2PF")  # 256
 _UCAP_MAX = 1 << 16  # split-K units (and arrival counters) per launch
 _FMT = {"mxfp4": 0, "nvfp4": 1}
 _ACT = {"fp8": 0, "bf16": 1}
 _SMEM_PER_SM = 233472  # 228 KiB (sm_90)
 _SMEM_OPTIN = 232448   # 227 KiB: largest dynamic shared memory per block (sm_90 opt-in)
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
 
 
 def smem_bytes(nt: int, nwg: int, stages: int, fmt: str, E: int) -> int:
@@ -72,16 +74,16 @@ def plan(R: int, E: int, N: int, K: int, act: str, fmt: str, stage: int) -> dict
     D), ``K`` reduction size, ``act`` 'fp8'|'bf16', ``fmt`` 'mxfp4'|'nvfp4', ``stage`` 1|2.
     Returns ``{"nt" tokens per chunk (8|16), "nwg" consumer warpgroups, "stages" ring depth, "bulk",
     "minb" CTAs per SM, "smem" bytes, "splitk" largest device split, "mma", "l2pf"}`` or ``None``.
-    Raises: ValueError for a bad ``DSV4_MOE_DECODE_NWG``.
+    Raises: ValueError naming the variable for a bad value of any ``DSV4_MOE_DECODE*`` variable
+    (allowed values: dsv4/config.py ``VARS``).
     """
-    if os.environ.get("DSV4_MOE_DECODE", "1") == "0" or R <= 0 or E <= 0:
+    if not env_flag("DSV4_MOE_DECODE") or R <= 0 or E <= 0:
         return None
     m = -(-R // E)
-    if m > min(_env_int("DSV4_MOE_DECODE_MAXM", DECODE_MAX_M), 16):
+    if m > min(env_int("DSV4_MOE_DECODE_MAXM"), 16):
         return None
-    nwg = 2 if (stage == 1 and act == "fp8") else _env_int("DSV4_MOE_DECODE_NWG", 2)
-    if nwg not in (1, 2):
-        raise ValueError(f"DSV4_MOE_DECODE_NWG must be 1 or 2, got {nwg}")
+    nwg_env = env_int("DSV4_MOE_DECODE_NWG")  # validated even where it is overridden
+    nwg = 2 if (stage == 1 and act == "fp8") else nwg_env
     if N % (128 * nwg) or K % 128 or (stage == 1 and N % 256):
         return None
     nt = 8 if m <= 8 else 16
@@ -90,13 +92,13 @@ def plan(R: int, E: int, N: int, K: int, act: str, fmt: str, stage: int) -> dict
     fixed = smem_bytes(nt, nwg, 0, fmt, E)
     slot = smem_bytes(nt, nwg, 1, fmt, E) - fixed
     fit = (_SMEM_PER_SM // minb - 1024 - fixed) // slot
-    stages = _env_int("DSV4_MOE_DECODE_STAGES", max(2, min(6, fit)))
+    stages = env_int("DSV4_MOE_DECODE_STAGES", max(2, min(6, fit)))
     smem = smem_bytes(nt, nwg, stages, fmt, E)
     if smem > _SMEM_OPTIN:
         return None
-    return {"nt": nt, "nwg": nwg, "stages": stages, "bulk": _env_int("DSV4_MOE_DECODE_BULK", DECODE_BULK),
-            "minb": minb, "smem": smem, "splitk": _env_int("DSV4_MOE_DECODE_SPLITK", DECODE_SPLITK),
-            "mma": _env_int("DSV4_MOE_DECODE_MMA", DECODE_MMA), "l2pf": _env_int("DSV4_MOE_DECODE_L2PF", DECODE_L2PF)}
+    return {"nt": nt, "nwg": nwg, "stages": stages, "bulk": env_int("DSV4_MOE_DECODE_BULK"),
+            "minb": minb, "smem": smem, "splitk": env_int("DSV4_MOE_DECODE_SPLITK"),
+            "mma": env_int("DSV4_MOE_DECODE_MMA"), "l2pf": env_int("DSV4_MOE_DECODE_L2PF")}
 
 
 _configured: set = set()
@@ -134,13 +136,16 @@ _counters: dict = {}
 
 def _split_buffers(p: dict, grid: int, device):
     """(fp32 partials workspace, int32 arrival counters, unit capacity) of the device-side split-K.
-    The counters are one persistent zeroed buffer per device: the kernel's last arriving unit
-    resets its counter, so it is zero again after every launch (launches on one stream at a time)."""
+    The counters are one persistent zeroed buffer per (device, stream): the kernel's last arriving
+    unit resets its counter, so it is zero again after every launch, and launches on one stream are
+    serialized by the stream. Launches on different streams use different buffers, so the MoE may
+    overlap other work on another stream. Constraint: two CUDA graphs captured on the SAME stream
+    share that stream's buffer and must not be replayed concurrently."""
     if p["splitk"] <= 1:
         z = torch.empty((1,), dtype=torch.float32, device=device)
         return z, z.view(torch.int32), 0
     ucap = min(p["splitk"] * grid, _UCAP_MAX)
-    key = device.index or 0
+    key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream)
     cnt = _counters.get(key)
     if cnt is None:
         cnt = _counters[key] = torch.zeros((_UCAP_MAX,), dtype=torch.int32, device=device)

@@ -20,11 +20,11 @@ grid-stride loop, CTAs of up to 8 warps, at most ``TUNING["ctas_per_sm"]`` x 256
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
 
+from dsv4.config import env_int
 from dsv4.formats import E2M1_NAN_CODE
 from dsv4.registry import Support
 
@@ -37,11 +37,12 @@ _OUT = {"bfloat16": 0, "float16": 1, "float32": 2}
 TILE_ELEMS = 2048           # elements per warp tile (32 lanes x 8 loads x 8 elements)
 SMEM_WARP = {0: 256 * 4 + 256, 1: 256 * 4 + 256, 2: 512 * 4 + 256}  # per FMT
 
-#: Launch tuning (benchmarks may override; values never change results).
+#: Launch tuning (benchmarks may override; values never change results). The three environment
+#: overrides are read once at import (defaults 4096 / 32 MiB / 1 and allowed values: dsv4/config.py).
 TUNING = {
-    "fused_max_chunks": int(os.environ.get("DSV4_QUANT_FUSED_MAX_CHUNKS", 4096)),  # single-CTA NVFP4 path
-    "l2_keep_bytes": int(os.environ.get("DSV4_QUANT_L2_KEEP_MB", 32)) << 20,        # amax pass evict_last tail
-    "reverse": int(os.environ.get("DSV4_QUANT_REVERSE", 1)),                          # quantize tail-first
+    "fused_max_chunks": env_int("DSV4_QUANT_FUSED_MAX_CHUNKS"),                       # single-CTA NVFP4 path
+    "l2_keep_bytes": env_int("DSV4_QUANT_L2_KEEP_MB") << 20,                          # amax pass evict_last tail
+    "reverse": env_int("DSV4_QUANT_REVERSE"),                                         # quantize tail-first
     "ctas_per_sm": 4,                                                                 # x 256 threads
     "qj": 8,                                                                          # loads/lane/tile (8|4)
     "prefetch": 0,                                                                    # 1: pipelined tiles

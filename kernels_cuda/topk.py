@@ -13,11 +13,10 @@ so this op is raw CUDA C++ per the DSL-wall doctrine.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from dsv4.config import env_int
 from dsv4.registry import Support
 
 from ._provider import CudaProvider
@@ -29,7 +28,7 @@ CAP = 8192          # candidate buffer entries (threshold bin); larger bins re-r
 #: serializes: ~10-30 us per row batch); 1 = block-wide scan compaction, one atomic per CTA per
 #: tile (CPU-compiled, spill-free, logic emulated; NOT yet run on the GPU -> not the default until
 #: ``DSV4_TOPK_APPEND=1 pytest -m gpu tests/test_topk.py`` passes).
-APPEND = int(os.environ.get("DSV4_TOPK_APPEND", "0"))
+APPEND = env_int("DSV4_TOPK_APPEND")  # read at import; 0 or 1 (dsv4/config.py)
 KMAX = 2048
 NBINS = 2048
 _smem_ready: set[int] = set()

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
+from dsv4.config import env_flag, env_str
 from dsv4.registry import Support
 
 __all__ = ["dsl_available", "compile_cached", "compile_options", "stats", "current_stream"]
@@ -48,7 +49,7 @@ def dsl_available() -> Support:
 def compile_options(arch: str, extra: str = "") -> str:
     """Options string for ``cute.compile``; always names the arch."""
     opt = f"--gpu-arch {arch}"
-    env = os.environ.get("DSV4_DSL_OPTIONS")
+    env = env_str("DSV4_DSL_OPTIONS")
     if env:
         opt += " " + env
     if extra:
@@ -57,7 +58,7 @@ def compile_options(arch: str, extra: str = "") -> str:
 
 
 def disk_cache_dir() -> Path:
-    base = os.environ.get("DSV4_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dsv4")
+    base = env_str("DSV4_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dsv4")
     return Path(base) / "dsl"
 
 
@@ -115,7 +116,7 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, disk: bool = True
     if fn is not None:
         _stats["hits"] += 1
         return fn
-    use_disk = disk and os.environ.get("DSV4_DSL_DISK_CACHE", "1") != "0"
+    use_disk = disk and env_flag("DSV4_DSL_DISK_CACHE")
     with _lock:
         fn = _cache.get(key)
         if fn is None:

@@ -41,7 +41,7 @@ has tests4 && step "gpu tests v4 (coalesced weight copies, V4_WCOAL=1)" 60 env D
 has bench && step "prefill timing v3 vs v4" 150 $PY - "$OUT" <<'EOF'
 import json, sys, time
 import torch
-from bench._util import copy_bandwidth, time_cuda, print_table
+from bench._util import copy_bandwidth, json_safe, time_cuda, print_table
 from dsv4.ops import moe
 from dsv4.ops.moe import MoEGrouped
 from dsv4.formats import quantize_fp8_block
@@ -150,7 +150,9 @@ for st in ("3", "4", "5"):
     except Exception as e:  # noqa: BLE001
         print(f"v4 stages={st}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 os.environ.pop("DSV4_MOE_V4_STAGES", None)
-# v4 diagnostics (wrong results by design): where does the time go?
+# v4 diagnostics (wrong results by design): where does the time go? (DSV4_MOE_DIAG is refused
+# without DSV4_BENCH_DIAGNOSTICS=1, dsv4/config.py)
+os.environ["DSV4_BENCH_DIAGNOSTICS"] = "1"
 for dg, what in (("1", "no WGMMA"), ("2", "no FP4 decode"), ("3", "neither: loads + barriers only")):
     os.environ["DSV4_MOE_DIAG"] = dg
     try:
@@ -160,10 +162,11 @@ for dg, what in (("1", "no WGMMA"), ("2", "no FP4 decode"), ("3", "neither: load
     except Exception as e:  # noqa: BLE001
         print(f"v4 diag{dg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 os.environ.pop("DSV4_MOE_DIAG", None)
+os.environ.pop("DSV4_BENCH_DIAGNOSTICS", None)
 os.environ.pop("DSV4_MOE_KERNEL", None)
 os.environ.pop("DSV4_MOE_V4_PWG", None)
-json.dump(dict(copy_bw_GBps=bw, fp8_peak_tflops=peak, rows=rows, gpu=torch.cuda.get_device_name(),
-               date=time.strftime("%Y-%m-%d")), open(os.path.join(out_dir, "moe_prefill.json"), "w"), indent=1)
+json.dump(json_safe(dict(copy_bw_GBps=bw, fp8_peak_tflops=peak, rows=rows, gpu=torch.cuda.get_device_name(),
+                         date=time.strftime("%Y-%m-%d"))), open(os.path.join(out_dir, "moe_prefill.json"), "w"), indent=1)
 print()
 print_table(rows, ["shape", "fmt", "act", "rows", "v3_us", "v4_us", "v4p1_us", "v4w_us", "v3_TFLOPs", "v4_TFLOPs",
                    "v4p1_TFLOPs", "v4w_TFLOPs", "v4_pct_peak", "v4/v3", "v4_vs_v3_rel", "v4p1_vs_v3_rel", "v4w_vs_v3_rel"], title=f"MoE prefill (GEMM1+SwiGLU+GEMM2), FP8 peak {peak:.0f} TFLOP/s, copy {bw:.0f} GB/s")

@@ -618,3 +618,64 @@ def test_gpu_recall_and_csa_cosine(cuda_device):
                                      "paper_claim_recall": 0.997})
     assert table["mxfp4+H@512"] > 0.95 and table["mxfp4+H@512"] > table["mxfp4@512"]
     assert cos["mxfp4+H"]["mean"] >= 0.999
+
+
+# =========================================================================================
+# Bad index values: slots / pages outside the cache are skipped, never dereferenced
+def test_reference_skips_out_of_range_slots_and_pages_cpu():
+    """slot_mapping entries outside [0, num_blocks*block_size) are skipped (not an IndexError);
+    block_table entries outside [0, num_blocks) give -inf logits for their keys."""
+    bs, nb, N = 64, 4, 96
+    k = indexer_inputs(1, N, seed=21).k
+    cache = torch.zeros(nb, bs, 68, dtype=torch.uint8)
+    slots = torch.arange(N, dtype=torch.int64)
+    slots[5], slots[6], slots[7] = -1, nb * bs, nb * bs + 1000
+    indexer_cache_write(cache, k, slots, fmt="mxfp4")
+    ref = torch.zeros_like(cache)
+    ok = torch.ones(N, dtype=torch.bool)
+    ok[5:8] = False
+    cache_write_ref(ref, k[ok], slots[ok], "mxfp4", None, True)
+    assert torch.equal(cache, ref)
+    d = indexer_inputs(2, 2 * bs, seed=22)
+    qd, qs, wo = indexer_q_quant(d.q, d.w, fmt="mxfp4")
+    bt = torch.tensor([[0, -1], [nb + 3, 1]], dtype=torch.int32)
+    lens = torch.tensor([2 * bs, 2 * bs], dtype=torch.int32)
+    out = indexer_logits_paged(qd.reshape(2, 1, 64, -1), qs.reshape(2, 1, 64, -1), wo, cache, lens, bt, fmt="mxfp4")
+    assert torch.isinf(out[0, bs:]).all() and torch.isfinite(out[0, :bs]).all()
+    assert torch.isinf(out[1, :bs]).all() and torch.isfinite(out[1, bs:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_gpu_out_of_range_slots_and_pages_match_reference(cuda_device, fmt):
+    """The kernels skip slots outside the cache (cache bytes equal the reference's, nothing else
+    written) and never read pages outside [0, num_blocks): those keys get -inf, every other logit
+    matches the reference within gate (a)."""
+    dev = cuda_device
+    bs, nb, B, nn, mb = 64, 48, 3, 2, 16
+    N = nb * bs
+    d = indexer_inputs(B * nn, N, seed=23, device=dev)
+    g = _gscale(d.k, fmt)
+    slots = torch.randperm(N, device=dev)
+    bad = torch.arange(0, N, 97, device=dev)
+    slots[bad] = torch.where(bad % 2 == 0, N + bad, -1 - bad)   # past the end / negative
+    cache = torch.zeros(nb, bs, indexer_bytes_per_token(fmt), dtype=torch.uint8, device=dev)
+    ref = torch.zeros_like(cache)
+    with _cuda_only():
+        indexer_cache_write(cache, d.k, slots, fmt=fmt, global_scale=g, hadamard=True)
+    with use(indexer_cache_write="torch"):
+        indexer_cache_write(ref, d.k, slots, fmt=fmt, global_scale=g, hadamard=True)
+    assert torch.equal(cache, ref)
+    bt = torch.randperm(nb, device=dev)[: B * mb].reshape(B, mb).to(torch.int32)
+    bt[0, 3], bt[1, 0], bt[2, mb - 1] = -1, nb, nb + 1000               # invalid pages inside the lengths
+    lens = torch.tensor([[mb * bs - 1, mb * bs], [700, 701], [mb * bs - 1, mb * bs]], dtype=torch.int32, device=dev)
+    gq = _gscale(d.q, fmt)
+    with _cuda_only():
+        qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True, global_scale=gq)
+        P = indexer_logits_paged(qd.reshape(B, nn, 64, -1), qs.reshape(B, nn, 64, -1), wo, cache, lens, bt,
+                                 fmt=fmt, q_global=gq, k_global=g)
+    refp = paged_logits_ref(dequantize_q(qd, qs, fmt, gq).reshape(B, nn, 64, 128), wo,
+                            dequantize_cache(cache, fmt, g), lens, bt, mb * bs)
+    st = _gate_stats(P, refp)
+    assert st["mask_ok"] and st["max_rel_err"] <= 1e-5, st
+    assert torch.isinf(P[0:2, 3 * bs:4 * bs]).all() and torch.isinf(P[2:4, 0:bs]).all()

@@ -566,3 +566,28 @@ def test_w4a8_fold_exact_for_mxfp4_and_pow2_nvfp4(fmt):
         s.view(torch.uint8)[0, 0, 1] = 120
         f = fold_fp4_weight_w4a8(ck["w13"], s, fmt)
         assert torch.all(f[0, 0, :32] == 0) and torch.equal(f[0, 0, 32:], dequant_fp4_weight(ck["w13"], s, fmt)[0, 0, 32:])
+
+
+def test_dynamic_smem_limit_is_only_raised(monkeypatch):
+    """The dynamic shared-memory limit is an attribute of the kernel, shared by every expert count E:
+    a launch with a small E must not lower it below what a larger E set earlier (that made the next
+    large-E launch fail with CUDA_ERROR_INVALID_VALUE). CPU: the module load and the attribute call are
+    stubbed, the bookkeeping of kernels_cuda/moe.py is real."""
+    import kernels_cuda.moe as km
+    calls = []
+
+    class _Mod:
+        def kernel(self, name):
+            return name
+
+    monkeypatch.setattr(km, "load", lambda *a, **k: _Mod())
+    monkeypatch.setattr(km, "set_max_dynamic_smem", lambda k, n: calls.append(n))
+    monkeypatch.setattr(km.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(km, "_configured", {})
+    sizes = []
+    for E in (384, 8, 384, 1000):
+        _, smem = km._kernel("fp8", "mxfp4", 1, E)
+        sizes.append(smem)
+    assert sizes[0] > sizes[1] and sizes[3] > sizes[0]          # smem grows with E
+    assert calls == [sizes[0], sizes[3]]                         # set for 384, not lowered for 8, raised for 1000
+    assert max(calls) >= max(sizes)

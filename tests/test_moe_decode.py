@@ -286,8 +286,9 @@ def test_kernel_compiles_no_spills(act, fmt, stage, nt, nwg, bulk, mma):
 def test_fp8_stage1_needs_two_warpgroups():
     pytest.importorskip("cuda.bindings")
     from kernels_cuda.nvrtc import CompileError
-    with pytest.raises((CompileError, AssertionError)):
+    with pytest.raises((CompileError, AssertionError)) as ei:
         _compile(dict(MD_ACT=0, MD_STAGE=1, MD_NWG=1))
+    assert "stage 1 with FP8 requant needs MD_NWG == 2" in str(ei.value), str(ei.value)[:400]  # the #error, not any failure
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -82,6 +82,7 @@ def dequant_fp4(data: torch.Tensor, scale: torch.Tensor, *, fmt: str = "mxfp4",
         ``(e2m1 * e4m3(sf)) * global_scale``; fp32 math, one rounding to ``out_dtype``.
 
     Raises:
+        TypeError: ``out_dtype`` is not a ``torch.dtype`` (e.g. the string ``"bfloat16"``).
         ValueError: unknown ``fmt`` / ``out_dtype``.
         LayoutError: an argument does not match ``docs/layouts/dequant_fp4.md`` (dtype, shape,
             contiguity, alignment), or ``global_scale`` is missing/present for the format.
@@ -90,8 +91,11 @@ def dequant_fp4(data: torch.Tensor, scale: torch.Tensor, *, fmt: str = "mxfp4",
     """
     if fmt not in FORMATS:
         raise ValueError(f"dequant_fp4: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"dequant_fp4: argument 'out_dtype' must be a torch.dtype (torch.bfloat16 or torch.float32), "
+                        f"got {type(out_dtype).__name__} {out_dtype!r}")
     if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"dequant_fp4: out_dtype must be bfloat16 or float32, got {out_dtype}")
+        raise ValueError(f"dequant_fp4: argument 'out_dtype' must be torch.bfloat16 or torch.float32, got {out_dtype}")
     SPEC.validate({"data": data, "scale": scale, "global_scale": global_scale}, symbols={"SF": FORMATS[fmt]})
     if scale.dtype != _SCALE_DTYPE[fmt]:
         raise LayoutError(f"dequant_fp4: argument 'scale' has dtype {dtype_name(scale.dtype)}, expected "

@@ -83,7 +83,7 @@ CACHE_WRITE_SPEC = OpSpec(
                    doc="paged indexer key cache, written in place"),
         TensorSpec("k", torch.bfloat16, ("N", 128), doc="new compressed keys (indexer compressor output)"),
         TensorSpec("slot_mapping", (torch.int64, torch.int32), ("N",), align=4,
-                   doc="slot = block * block_size + j; -1 = skip the token"),
+                   doc="slot = block * block_size + j; -1 (any slot outside [0, num_blocks*block_size)) = skip the token"),
         TensorSpec("global_scale", torch.float32, (1,), align=4, optional=True,
                    doc="nvfp4 only: fp32 decode multiplier of the cache (e.g. amax/2688)"),
     ),
@@ -127,6 +127,9 @@ def indexer_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torc
         fmt: ``"mxfp4"`` (DSV4 default), ``"nvfp4"`` or ``"fp8"``.
         global_scale: nvfp4 only: fp32 ``[1]`` decode multiplier shared by the whole cache.
         hadamard: rotate by ``H_128 * 128^-0.5`` before quantizing (the DSV4 reference does).
+
+    Returns:
+        None: ``cache`` is updated in place (only the slots named by ``slot_mapping``).
 
     Raises:
         ValueError: unknown fmt. LayoutError: argument mismatch (names the argument).
@@ -278,11 +281,45 @@ def indexer_logits(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, k_
 
 
 def indexer_prefill_ranges(seq_lens, ratio: int = 4, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ks, ke, pos) int32 ``[T]`` for sequences packed along T (queries) and along S (their
-    compressed entries): query at position p of a sequence whose entries start at o sees
-    ``[o, o + (p + 1) // ratio)`` (DSV4 C4 causal rule). Host-side helper (takes Python ints)."""
+    """Causal key ranges for a batched prefill, the ``ks`` / ``ke`` inputs of :func:`indexer_logits`.
+
+    Sequences are packed along T (queries, each sequence starting at position 0) and their
+    compressed entries along S: the query at position p of a sequence whose entries start at
+    offset o sees entries ``[o, o + (p + 1) // ratio)`` (DSV4 C4 causal rule); sequence i
+    contributes ``seq_lens[i] // ratio`` entries. Host-side helper (takes Python ints, builds
+    the tensors on the host and copies them to ``device``; call it outside CUDA-graph capture).
+
+    Args:
+        seq_lens: iterable of Python ints >= 0, tokens per sequence; ``T = sum(seq_lens)``.
+        ratio: compression ratio, a Python int >= 1 (4 for the CSA indexer, the default).
+        device: torch device of the results (default CPU).
+
+    Returns:
+        ``(ks, ke, pos)``: int32 ``[T]`` each: first entry (inclusive), end entry (exclusive,
+        ``ke >= ks``) and the token position within its sequence.
+
+    Raises:
+        ValueError: ``seq_lens`` not an iterable of ints >= 0, or ``ratio`` not an int >= 1.
+
+    Source: dsv4_spec.md 2.3 / 2.4 (compressed entry b covers tokens [b*ratio, (b+1)*ratio)).
+    """
     from ..reference.indexer import causal_ranges
-    return causal_ranges(list(seq_lens), ratio, device)
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+        raise ValueError(f"indexer_prefill_ranges: argument 'ratio' must be an int >= 1 (4 for CSA), got "
+                         f"{type(ratio).__name__} {ratio!r}")
+    try:
+        lens = list(seq_lens)
+    except TypeError:
+        raise ValueError(f"indexer_prefill_ranges: argument 'seq_lens' must be an iterable of ints >= 0, got "
+                         f"{type(seq_lens).__name__}") from None
+    bad = [(i, v) for i, v in enumerate(lens) if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        i, v = bad[0]
+        raise ValueError(f"indexer_prefill_ranges: argument 'seq_lens' must hold ints >= 0 (tokens per sequence), "
+                         f"got seq_lens[{i}] = {v!r} ({type(v).__name__})")
+    if not lens:   # no sequence: three empty [0] tensors (torch.cat of nothing would raise)
+        return tuple(torch.empty((0,), dtype=torch.int32, device=device) for _ in range(3))
+    return causal_ranges(lens, ratio, device)
 
 
 # =========================================================================================
@@ -297,7 +334,7 @@ PAGED_SPEC = OpSpec(
         TensorSpec("cache", torch.uint8, ("num_blocks", "block_size", "BPT"), doc="paged key cache (indexer_cache_write)"),
         TensorSpec("context_lens", torch.int32, ("B", "next_n"), align=4,
                    doc="entries visible to each query row (the public function also takes [B] + the MTP rule)"),
-        TensorSpec("block_table", torch.int32, ("B", "max_blocks"), align=4, doc="page of entry s = block_table[b, s // block_size]"),
+        TensorSpec("block_table", torch.int32, ("B", "max_blocks"), align=4, doc="page of entry s = block_table[b, s // block_size]; an entry outside [0, num_blocks) is never read, its keys get -inf"),
         TensorSpec("q_global", torch.float32, (1,), align=4, optional=True, doc="nvfp4 only"),
         TensorSpec("k_global", torch.float32, (1,), align=4, optional=True, doc="nvfp4 only (the cache's global scale)"),
     ),
@@ -383,16 +420,23 @@ def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
 
     Args:
         logits: fp32 ``[rows, stride]``. lengths: int32 ``[rows]`` valid columns.
-        k: number of entries to select (512 / 1024).
+        k: number of entries to select, a Python int in 1..2048 (512 Flash / 1024 Pro).
 
     Returns:
         int32 ``[rows, k]``: sorted by score desc, ties -> lower index, -1 where a row has
         fewer than k finite allowed entries.
 
     Raises:
-        LayoutError / ValueError (k < 1).
+        ValueError: ``k`` not a Python int (a float, str or bool is refused, never truncated) or
+            outside ``1..2048``.
+        LayoutError: ``logits`` / ``lengths`` do not match ``docs/layouts/topk.md``.
     """
+    import numbers
+
     from .topk import topk
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):   # Python / numpy int; never truncate
+        raise ValueError(f"indexer_topk: argument 'k' must be an int (entries per row, 1..2048), got "
+                         f"{type(k).__name__} {k!r}")
     return topk(logits, lengths, int(k))
 
 

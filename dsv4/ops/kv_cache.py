@@ -52,6 +52,8 @@ from ..target import Target
 from ._common import dtype_name
 
 KV_DIM, IDX_DIM, ROPE_DIM = 512, 128, 64
+#: compression ratios of the compressor ops: 4 (CSA, overlapping windows) and 128 (HCA)
+COMPRESS_RATIOS = (4, 128)
 TOKEN_BYTES, IDX_TOKEN_BYTES = 584, 68
 _IDX = (torch.int32, torch.int64)
 _SOURCE = ("DSV4 FLASH-REF model.py Compressor / Attention / act_quant / fp4_act_quant (dsv4_spec.md 2.2, 2.3, "
@@ -331,7 +333,7 @@ def _compress_check(kv, score, ape, norm_weight, rope_cos_sin, cache, spec, extr
                **extra}
     syms = spec.validate(tensors, specs=[s for s in spec.inputs if s.name in tensors])
     ratio, d, ch = syms["ratio"], syms["d"], syms["CH"]
-    if ratio not in (4, 128):
+    if ratio not in COMPRESS_RATIOS:
         raise LayoutError(f"{spec.name}: ape must be [ratio, CH] with ratio 4 (CSA) or 128 (HCA), got {list(ape.shape)}")
     if d not in (KV_DIM, IDX_DIM):
         raise LayoutError(f"{spec.name}: norm_weight must be [512] (attention) or [128] (indexer), got {list(norm_weight.shape)}")
@@ -551,10 +553,32 @@ def kv_compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
 
 
 def new_compress_state(batch: int, ratio: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh decode state ``(kv_state zeros, score_state -inf)``, float32 ``[batch, coff*ratio, coff*head_dim]``.
+    """Fresh compressor decode state for :func:`kv_compress_prefill` / :func:`kv_compress_decode`.
 
-    Source: model.py Compressor.__init__ (kv_state zeros, score_state -inf).
+    Args:
+        batch: number of sequences (state rows), a Python int >= 0.
+        ratio: compression ratio, one of :data:`COMPRESS_RATIOS`: 4 (CSA, overlapping windows:
+            ``coff = 2``) or 128 (HCA: ``coff = 1``).
+        head_dim: ``d``, one of 512 (attention KV compressor) or 128 (indexer key compressor).
+        device: torch device of the state (default CPU).
+
+    Returns:
+        ``(kv_state, score_state)``: float32 ``[batch, coff*ratio, coff*head_dim]`` each;
+        ``kv_state`` zeros, ``score_state`` -inf (no token seen yet).
+
+    Raises:
+        ValueError: ``batch`` not an int >= 0, ``ratio`` not 4 / 128, ``head_dim`` not 512 / 128.
+
+    Source: model.py Compressor.__init__ (kv_state zeros, score_state -inf), dsv4_spec.md 2.3.
     """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        raise ValueError(f"new_compress_state: argument 'batch' must be an int >= 0, got {type(batch).__name__} {batch!r}")
+    if isinstance(ratio, bool) or ratio not in COMPRESS_RATIOS:
+        raise ValueError(f"new_compress_state: argument 'ratio' must be one of {COMPRESS_RATIOS} (4 = CSA, 128 = HCA), "
+                         f"got {ratio!r}")
+    if isinstance(head_dim, bool) or head_dim not in (KV_DIM, IDX_DIM):
+        raise ValueError(f"new_compress_state: argument 'head_dim' must be {KV_DIM} (attention) or {IDX_DIM} "
+                         f"(indexer), got {head_dim!r}")
     coff = 2 if ratio == 4 else 1
     shape = (batch, coff * ratio, coff * head_dim)
     return (torch.zeros(shape, dtype=torch.float32, device=device),

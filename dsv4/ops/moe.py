@@ -30,6 +30,7 @@ Seed 003 bugs made impossible here:
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -42,6 +43,9 @@ from ..target import Target
 FORMATS = {"mxfp4": 32, "nvfp4": 16}
 _SCALE_DTYPE = {"mxfp4": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}
 ACTS = ("fp8", "bf16")
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: ``moe_forward(out_dtype=...)`` choices (floating only: an integer dtype would truncate)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LAYOUTS = ("contiguous", "masked")
 #: GEMM tile sizes of the CUDA kernel (also the prepare reordering granule)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 128
@@ -133,11 +137,28 @@ PREPARE_OP = register(Op("moe_prepare_weights", PREPARE_SPEC, module="moe", kind
 
 
 def w13_tile_permutation(I: int, device=None) -> torch.Tensor:
-    """Row permutation ``p`` (int64 [2I]) with ``w13p = w13[p]``: per 128 I-columns tile t,
-    ``[gate 128t..+63, up 128t..+63, gate 128t+64..+127, up 128t+64..+127]``.
-    Built from the plain-concat convention ``w13 = [gate; up]``; never assumes interleaving."""
-    if I % 128:
-        raise LayoutError(f"moe_prepare_weights: I={I} must be a multiple of 128")
+    """Row permutation of W13 used by :func:`moe_prepare_weights`: ``w13p = w13[:, p]``.
+
+    Per 128 I-columns tile t the 256 prepared rows are
+    ``[gate 128t..+63, up 128t..+63, gate 128t+64..+127, up 128t+64..+127]``, built from the
+    plain-concat convention ``w13 = [gate (rows 0..I-1); up (rows I..2I-1)]``; never assumes
+    interleaving.
+
+    Args:
+        I: intermediate size (moe_intermediate_size), a Python int, multiple of 128.
+        device: torch device of the result (default CPU).
+
+    Returns:
+        int64 ``[2I]``: ``p[256t + 128h + 64u + j] = u*I + 128t + 64h + j`` (u = 0 gate, 1 up).
+
+    Raises:
+        LayoutError: ``I`` is not a positive int multiple of 128.
+
+    Source: kernels_cuda/moe.cu GEMM1 tile (BLOCK_N = 256 rows = 128 gate + 128 up columns).
+    """
+    if isinstance(I, bool) or not isinstance(I, int) or I <= 0 or I % 128:
+        raise LayoutError(f"w13_tile_permutation: argument I={I!r} must be a positive int multiple of 128 "
+                          "(intermediate size; GEMM1 tile = 128 I columns)")
     t = torch.arange(I // 128, device=device).view(-1, 1, 1, 1)
     h = torch.arange(2, device=device).view(1, -1, 1, 1)
     u = torch.arange(2, device=device).view(1, 1, -1, 1)
@@ -219,6 +240,21 @@ def prepare_impl(problem, *, w13, w13_scale, w2, w2_scale, w13_global, w2_global
         g13=g13, g2=g2, fmt=fmt, E=E, I=I, D=D)
 
 
+def _is_int(v) -> bool:
+    """A Python / numpy integer, not a bool (a float, str or tensor is refused, never truncated)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_int(op: str, name: str, v, lo: int, hi: Optional[int] = None, what: str = "") -> int:
+    """``v`` must be a Python int (not bool) in ``[lo, hi]``; ValueError naming the argument."""
+    if not _is_int(v):
+        raise ValueError(f"{op}: argument '{name}' must be an int, got {type(v).__name__} {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{op}: argument '{name}' must be {rng}" + (f" ({what})" if what else "") + f", got {v}")
+    return int(v)
+
+
 # ------------------------------------------------------------------------------------------
 # router
 ROUTE_SPEC = OpSpec(
@@ -267,26 +303,50 @@ def _(x, gate_weight, bias, input_ids, tid2eid, topk, route_scale):
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, *, topk: int = 6, route_scale: float = 1.5,
               bias: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
-              tid2eid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              tid2eid: Optional[torch.Tensor] = None,
+              debug_check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DSV4 router.
 
     Args:
-        x: bf16/fp32 ``[T, D]``; gate_weight: ``[E, D]``; bias: fp32 ``[E]`` (selection only).
-        topk: experts per token; route_scale: multiplier of the normalized weights.
-        input_ids, tid2eid: hash layers: ``idx = tid2eid[input_ids]`` (``[T]``, ``[V, topk]``).
+        x: bf16/fp32 ``[T, D]``; gate_weight: bf16/fp32 ``[E, D]``; bias: fp32 ``[E]`` (selection only).
+        topk: experts per token, a Python int in ``[1, E]`` (6 in DSV4).
+        route_scale: multiplier of the normalized weights (unitless, > 0; 1.5 Flash, 2.5 Pro).
+        input_ids, tid2eid: hash layers: ``idx = tid2eid[input_ids]``; ``input_ids`` int32/int64
+            ``[T]`` with values in ``[0, V)``; ``tid2eid`` int32/int64 ``[V, topk]`` with values
+            (expert ids) in ``[0, E)``. The value ranges are NOT checked by default (that needs a
+            host sync): out-of-range ids raise a bare IndexError on CPU and a device-side assert
+            on CUDA. ``debug_check=True`` checks them on the host first (syncs).
+        debug_check: host-side value checks of ``input_ids`` / ``tid2eid`` (syncs; off by default).
 
     Returns:
-        ``(topk_idx int32 [T, topk], topk_w float32 [T, topk])``; ``topk_w`` uses the unbiased scores.
+        ``(topk_idx int32 [T, topk], topk_w float32 [T, topk])``; ``topk_idx`` values in ``[0, E)``;
+        ``topk_w`` uses the unbiased scores, rows sum to ``route_scale``.
 
     Raises:
-        LayoutError: shapes/dtypes; ``tid2eid`` without ``input_ids`` or a width != topk.
+        ValueError: ``topk`` not an int in ``[1, E]``, ``route_scale`` not a positive number, or
+            (``debug_check``) ``input_ids`` / ``tid2eid`` values out of range.
+        LayoutError: shapes/dtypes (``docs/layouts/moe_route.md``); only one of ``input_ids`` /
+            ``tid2eid`` given, or a ``tid2eid`` width != topk.
 
     Source: dsv4_spec.md 2.5 (FLASH-REF model.py Gate).
     """
     if (input_ids is None) != (tid2eid is None):
         raise LayoutError("moe_route: hash layers need both 'input_ids' and 'tid2eid'")
+    topk = _check_int("moe_route", "topk", topk, 1)
     ROUTE_SPEC.validate({"x": x, "gate_weight": gate_weight, "bias": bias, "input_ids": input_ids,
                          "tid2eid": tid2eid}, symbols={"K_TOP": topk})
+    E = gate_weight.shape[0]
+    _check_int("moe_route", "topk", topk, 1, E, f"experts per token, at most E = gate_weight.shape[0] = {E}")
+    if isinstance(route_scale, bool) or not isinstance(route_scale, numbers.Real) or not route_scale > 0:
+        raise ValueError(f"moe_route: argument 'route_scale' must be a number > 0, got {route_scale!r}")
+    if debug_check and tid2eid is not None:
+        V = tid2eid.shape[0]
+        if input_ids.numel() and bool(((input_ids < 0) | (input_ids >= V)).any()):
+            raise ValueError(f"moe_route: argument 'input_ids' has values outside [0, V={V}) "
+                             f"(V = tid2eid.shape[0]); got min {int(input_ids.min())}, max {int(input_ids.max())}")
+        if tid2eid.numel() and bool(((tid2eid < 0) | (tid2eid >= E)).any()):
+            raise ValueError(f"moe_route: argument 'tid2eid' has expert ids outside [0, E={E}) "
+                             f"(E = gate_weight.shape[0]); got min {int(tid2eid.min())}, max {int(tid2eid.max())}")
     return torch.ops.dsv4.moe_route(x, gate_weight, bias, input_ids, tid2eid, int(topk), float(route_scale))
 
 
@@ -308,28 +368,72 @@ class MoEGrouped(NamedTuple):
     pos: torch.Tensor
 
 
+def _check_routing(op: str, x, topk_idx, topk_w) -> None:
+    """Shapes / dtypes / devices of ``x [T, D]``, ``topk_idx [T, k]``, ``topk_w [T, k]`` (no value checks)."""
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_w", topk_w)):
+        if not isinstance(t, torch.Tensor):
+            raise LayoutError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2 or x.dtype not in _X_DTYPES:
+        raise LayoutError(f"{op}: argument 'x' must be bfloat16/float16/float32 [T, D], got "
+                          f"{str(x.dtype).replace('torch.', '')} {list(x.shape)}")
+    if topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.shape[0] != x.shape[0]:
+        raise LayoutError(f"{op}: argument 'topk_idx' must be int32/int64 [T, k] with T = x.shape[0] = "
+                          f"{x.shape[0]}, got {str(topk_idx.dtype).replace('torch.', '')} {list(topk_idx.shape)}")
+    if topk_w.shape != topk_idx.shape or not topk_w.dtype.is_floating_point:
+        raise LayoutError(f"{op}: argument 'topk_w' must be a float tensor of topk_idx's shape "
+                          f"{list(topk_idx.shape)}, got {str(topk_w.dtype).replace('torch.', '')} {list(topk_w.shape)}")
+    for name, t in (("topk_idx", topk_idx), ("topk_w", topk_w)):
+        if t.device != x.device:
+            raise LayoutError(f"{op}: argument '{name}' is on {t.device}, 'x' on {x.device}")
+
+
 def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, *,
-                act: str = "fp8", layout: str = "contiguous", max_m: Optional[int] = None) -> MoEGrouped:
+                act: str = "fp8", layout: str = "contiguous", max_m: Optional[int] = None,
+                debug_check: bool = False) -> MoEGrouped:
     """Quantize (act='fp8': E4M3 1x128 UE8M0, DSV4 act_quant) and group tokens by expert.
 
     Args:
-        x: bf16/fp32 ``[T, D]``; topk_idx: int ``[T, k]`` in ``[0, E)``; topk_w: fp32 ``[T, k]``.
-        num_experts: E. act: ``'fp8'`` or ``'bf16'``.
+        x: bf16/fp16/fp32 ``[T, D]`` (``D % 128 == 0`` for ``act='fp8'``).
+        topk_idx: int32/int64 ``[T, k]`` expert ids; every value must be in ``[0, num_experts)``.
+            The range is NOT checked by default (that needs a host sync): an out-of-range id
+            raises a bare RuntimeError on CPU and a device-side assert on CUDA; pass
+            ``debug_check=True`` to check it on the host first.
+        topk_w: float ``[T, k]`` routing weights (applied later, in GEMM1).
+        num_experts: E, a Python int >= 1 (the experts of the weights, ``MoEWeights.E``).
+        act: ``'fp8'`` (W4A8) or ``'bf16'`` (W4A16).
         layout: ``'contiguous'`` (R = T*k rows sorted by expert, stable) or ``'masked'``
             (R = E*max_m, expert e's rows start at e*max_m; assignments past max_m are dropped,
             ``pos = -1``; choose ``max_m >= max count``, e.g. T for no drops).
+        max_m: rows per expert for ``layout='masked'`` (an int >= 1); ignored for contiguous.
+        debug_check: host-side check that ``topk_idx`` values are in ``[0, num_experts)`` (syncs).
 
     Returns:
-        :class:`MoEGrouped`. No host sync; no loop over experts.
+        :class:`MoEGrouped`: ``a`` float8_e4m3fn (fp8) or bf16 ``[R, D]``; ``a_s`` fp32
+        ``[R, D/128]`` (UE8M0 powers of two, fp8) or None; ``row_start`` / ``row_count`` int32
+        ``[E]``; ``route_w`` fp32 ``[R]``; ``pos`` int64 ``[T*k]`` (grouped row of each
+        (token, slot), -1 if dropped). No host sync (unless ``debug_check``); no loop over experts.
+
+    Raises:
+        ValueError: unknown ``act`` / ``layout``; ``num_experts`` / ``max_m`` not an int >= 1;
+            ``debug_check`` and a ``topk_idx`` value outside ``[0, num_experts)``.
+        LayoutError: ``x`` / ``topk_idx`` / ``topk_w`` dtype, shape or device (argument named),
+            ``D % 128 != 0`` with ``act='fp8'``.
+
+    Source: DSV4 act_quant (dsv4_spec.md 2.1); grouped layouts as DeepGEMM (contiguous / masked).
     """
     if act not in ACTS or layout not in LAYOUTS:
         raise ValueError(f"moe_permute: act in {ACTS}, layout in {LAYOUTS}; got {act!r}, {layout!r}")
-    if x.dim() != 2 or topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
-        raise LayoutError(f"moe_permute: expected x [T, D], topk_idx/topk_w [T, k]; got {list(x.shape)}, "
-                          f"{list(topk_idx.shape)}, {list(topk_w.shape)}")
+    _check_routing("moe_permute", x, topk_idx, topk_w)
+    E = _check_int("moe_permute", "num_experts", num_experts, 1)
+    if layout == "masked":
+        _check_int("moe_permute", "max_m", max_m, 1, what="rows per expert, needed with layout='masked'")
     T, D = x.shape
+    if act == "fp8" and D % 128:
+        raise LayoutError(f"moe_permute: argument 'x' [T, D] needs D % 128 == 0 for act='fp8' (1x128 blocks), got D={D}")
     k = topk_idx.shape[1]
-    E = int(num_experts)
+    if debug_check and topk_idx.numel() and bool(((topk_idx < 0) | (topk_idx >= E)).any()):
+        raise ValueError(f"moe_permute: argument 'topk_idx' has expert ids outside [0, num_experts={E}): "
+                         f"min {int(topk_idx.min())}, max {int(topk_idx.max())}")
     dev = x.device
     flat_e = topk_idx.reshape(-1).long()
     n = flat_e.numel()
@@ -350,8 +454,6 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, n
         row_count = counts.to(torch.int32)
         valid = torch.ones(n, dtype=torch.bool, device=dev)
     else:
-        if max_m is None or max_m < 1:
-            raise ValueError("moe_permute: layout='masked' needs max_m >= 1")
         rank = torch.arange(n, device=dev) - starts[sorted_e]
         valid = rank < max_m
         R = E * max_m
@@ -378,8 +480,38 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int) 
     """Un-permute and sum: ``out[t] = sum_j y[pos[t*k + j]]`` (rows with ``pos = -1`` add 0).
 
     The routing weight is already inside ``y`` (applied to h before GEMM2, as DSV4 does).
-    Deterministic gather + sum (no atomics). Returns fp32 ``[T, D]``.
+    Deterministic gather + sum (no atomics, no host sync).
+
+    Args:
+        y: float ``[R, D]`` grouped GEMM2 rows (:func:`moe_gemm2`, fp32).
+        pos: int64 ``[num_tokens * topk]`` grouped row of each (token, slot), ``-1`` = dropped
+            (``MoEGrouped.pos`` from :func:`moe_permute`); values must be in ``[-1, R)`` (not
+            checked: a device-side check would need a sync).
+        num_tokens: T, a Python int >= 0. topk: k, a Python int >= 1 (``topk_idx.shape[1]``).
+
+    Returns:
+        fp32 ``[T, D]``: sum over the k slots of each token, in slot order.
+
+    Raises:
+        ValueError: ``num_tokens`` / ``topk`` not ints in range.
+        LayoutError: ``y`` not a 2-D float tensor; ``pos`` not int64 ``[num_tokens * topk]`` or on
+            another device.
+
+    Source: dsv4_spec.md 2.5 (MoE.forward: y[idx] += expert(x[idx]) * weights).
     """
+    T = _check_int("moe_combine", "num_tokens", num_tokens, 0)
+    k = _check_int("moe_combine", "topk", topk, 1)
+    if not isinstance(y, torch.Tensor) or y.dim() != 2 or not y.dtype.is_floating_point:
+        got = f"{str(y.dtype).replace('torch.', '')} {list(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__
+        raise LayoutError(f"moe_combine: argument 'y' must be a float [R, D] tensor (moe_gemm2 output), got {got}")
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.dim() != 1 or pos.numel() != T * k:
+        got = f"{str(pos.dtype).replace('torch.', '')} {list(pos.shape)}" if isinstance(pos, torch.Tensor) \
+            else type(pos).__name__
+        raise LayoutError(f"moe_combine: argument 'pos' must be int64 [num_tokens * topk] = [{T} * {k}] = [{T * k}] "
+                          f"(MoEGrouped.pos), got {got}; check num_tokens / topk")
+    if pos.device != y.device:
+        raise LayoutError(f"moe_combine: argument 'pos' is on {pos.device}, 'y' on {y.device}")
+    num_tokens, topk = T, k
     rows = y.index_select(0, pos.clamp(min=0))
     rows = torch.where((pos >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
     return rows.view(num_tokens, topk, y.shape[1]).float().sum(1)
@@ -510,10 +642,23 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights) -> tuple[torch.Tensor, torch.
 
 
 def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: MoEWeights) -> torch.Tensor:
-    """Grouped GEMM2 (down-proj): fp32 ``y [R, D]`` (rows outside every expert unspecified).
+    """Grouped GEMM2 (down-proj): ``y[r] = g2[e] * (h[r] * h_s) @ W2[e]^T`` in fp32.
 
-    Args: ``h``/``h_s`` from :func:`moe_gemm1_swiglu` (``h_s`` None or empty for bf16), ``g``, ``w``.
-    Raises: LayoutError on layout mismatch (``docs/layouts/moe_gemm2.md``).
+    Args:
+        h: float8_e4m3fn (W4A8) or bf16 (W4A16) ``[R, I]`` from :func:`moe_gemm1_swiglu`.
+        h_s: fp32 ``[R, I/128]`` UE8M0 power-of-two scales (fp8), or None / empty (bf16).
+        g: :class:`MoEGrouped` (row_start / row_count int32 ``[E]``) from :func:`moe_permute`.
+        w: :class:`MoEWeights` from :func:`moe_prepare_weights`.
+
+    Returns:
+        fp32 ``[R, D]``: row r of expert e is its down-projection (routing weight already in
+        ``h``); rows outside every expert's ``[row_start, row_start + row_count)`` are
+        unspecified. Feed it to :func:`moe_combine`.
+
+    Raises:
+        LayoutError: layout mismatch (``docs/layouts/moe_gemm2.md``), missing / extra ``h_s``.
+
+    Source: dsv4_spec.md 2.5 Expert (y = w2(h)).
     """
     if h_s is not None and h_s.numel() == 0 and h.dtype == torch.bfloat16:
         h_s = None
@@ -523,10 +668,49 @@ def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: Mo
     return torch.ops.dsv4.moe_gemm2(h, h_s, w.w2, w.w2_scale, w.g2, g.row_start, g.row_count, w.fmt)
 
 
+def _check_weights(op: str, w, x: Optional[torch.Tensor] = None) -> None:
+    """``w`` is a :class:`MoEWeights` whose sizes agree with its tensors (and with ``x [T, D]``)."""
+    if not isinstance(w, MoEWeights):
+        raise LayoutError(f"{op}: argument 'w' must be MoEWeights (from moe_prepare_weights), got {type(w).__name__}")
+    for name, t in (("w13", w.w13), ("w13_scale", w.w13_scale), ("w2", w.w2), ("w2_scale", w.w2_scale),
+                    ("g13", w.g13), ("g2", w.g2)):
+        if t.shape[0] != w.E:
+            raise LayoutError(f"{op}: argument 'w' is inconsistent: w.E = {w.E} experts but w.{name} has shape "
+                              f"{list(t.shape)} (expected {w.E} along dim 0); rebuild it with moe_prepare_weights")
+    if x is not None and x.dim() == 2 and x.shape[1] != w.D:
+        raise LayoutError(f"{op}: argument 'x' has shape {list(x.shape)}, expected [T, D] with D = w.D = {w.D} "
+                          f"(hidden size of the expert weights)")
+
+
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w: MoEWeights, *,
-                act: str = "fp8", layout: str = "contiguous", max_m: Optional[int] = None) -> torch.Tensor:
-    """Routed experts given a routing: permute -> GEMM1+SwiGLU -> GEMM2 -> combine. fp32 ``[T, D]``."""
-    g = moe_permute(x, topk_idx, topk_w, w.E, act=act, layout=layout, max_m=max_m)
+                act: str = "fp8", layout: str = "contiguous", max_m: Optional[int] = None,
+                debug_check: bool = False) -> torch.Tensor:
+    """Routed experts given a routing: permute -> GEMM1+SwiGLU -> GEMM2 -> combine.
+
+    Args:
+        x: bf16/fp16/fp32 ``[T, D]`` hidden states, ``D = w.D``.
+        topk_idx: int32/int64 ``[T, k]`` expert ids (e.g. from :func:`moe_route`); every value
+            must be in ``[0, w.E)`` (not checked unless ``debug_check``: see :func:`moe_permute`).
+        topk_w: float ``[T, k]`` routing weights (already normalized and scaled by route_scale).
+        w: :class:`MoEWeights` from :func:`moe_prepare_weights` (``E`` experts, sizes ``I``, ``D``).
+        act: ``'fp8'`` (W4A8: act_quant 1x128 UE8M0, FP8 WGMMA) or ``'bf16'`` (W4A16).
+        layout, max_m: grouped layout, as :func:`moe_permute`.
+        debug_check: host-side check of the ``topk_idx`` value range (syncs).
+
+    Returns:
+        fp32 ``[T, D]``: ``sum_j topk_w[t, j] * expert_{topk_idx[t, j]}(x[t])`` (the routing
+        weight is applied to h before GEMM2, as DSV4 does).
+
+    Raises:
+        ValueError: unknown ``act`` / ``layout``, bad ``max_m``, ``debug_check`` range failure.
+        LayoutError: ``w`` not MoEWeights or inconsistent with its own ``E``; ``x`` not
+            ``[T, w.D]``; ``topk_idx`` / ``topk_w`` dtype/shape/device (argument named); the
+            grouped GEMM layouts (``docs/layouts/moe_gemm1_swiglu.md``, ``moe_gemm2.md``).
+
+    Source: dsv4_spec.md 2.5 (FLASH-REF model.py MoE / Expert).
+    """
+    _check_weights("moe_experts", w, x if isinstance(x, torch.Tensor) else None)
+    g = moe_permute(x, topk_idx, topk_w, w.E, act=act, layout=layout, max_m=max_m, debug_check=debug_check)
     h, h_s = moe_gemm1_swiglu(g, w)
     y = moe_gemm2(h, h_s, g, w)
     return moe_combine(y, g.pos, x.shape[0], topk_idx.shape[1])
@@ -539,10 +723,37 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, gate_weight: torch.Tensor, *, to
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """DSV4 routed-expert layer (no shared expert): route -> experts -> combine.
 
-    Args: ``x`` bf16/fp32 ``[T, D]``; ``w`` prepared weights; router args as :func:`moe_route`;
-    ``act``/``layout``/``max_m`` as :func:`moe_permute`. Returns ``[T, D]`` of ``out_dtype``.
-    Source: dsv4_spec.md 2.5.
+    Args:
+        x: bf16/fp32 ``[T, D]`` hidden states, ``D = w.D``.
+        w: :class:`MoEWeights` (``E`` experts).
+        gate_weight: bf16/fp32 ``[E, D]`` router weight; ``E`` must equal ``w.E``.
+        topk, route_scale, bias, input_ids, tid2eid: router arguments, as :func:`moe_route`
+            (``tid2eid`` values must be in ``[0, E)``).
+        act, layout, max_m: as :func:`moe_permute`.
+        out_dtype: floating output dtype: float32 (default), bfloat16 or float16.
+
+    Returns:
+        ``[T, D]`` of ``out_dtype`` (computed in fp32, rounded once).
+
+    Raises:
+        TypeError: ``out_dtype`` is not a torch.dtype.
+        ValueError: ``out_dtype`` not one of float32 / bfloat16 / float16 (an integer dtype
+            would silently truncate); bad ``topk`` / ``route_scale`` / ``act`` / ``layout`` / ``max_m``.
+        LayoutError: ``gate_weight`` rows != ``w.E``; any shape/dtype mismatch of the router or
+            expert operands (argument named, see :func:`moe_route`, :func:`moe_experts`).
+
+    Source: dsv4_spec.md 2.5 (FLASH-REF model.py MoE.forward, routed experts only).
     """
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"moe_forward: argument 'out_dtype' must be a torch.dtype (one of float32, bfloat16, "
+                        f"float16), got {type(out_dtype).__name__} {out_dtype!r}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"moe_forward: argument 'out_dtype' must be a floating dtype (float32, bfloat16 or "
+                         f"float16), got {str(out_dtype).replace('torch.', '')}")
+    _check_weights("moe_forward", w, x if isinstance(x, torch.Tensor) else None)
+    if isinstance(gate_weight, torch.Tensor) and gate_weight.dim() == 2 and gate_weight.shape[0] != w.E:
+        raise LayoutError(f"moe_forward: argument 'gate_weight' has shape {list(gate_weight.shape)}, expected "
+                          f"[E, D] with E = w.E = {w.E} (the experts of the weights)")
     idx, wt = moe_route(x, gate_weight, topk=topk, route_scale=route_scale, bias=bias, input_ids=input_ids,
                         tid2eid=tid2eid)
     return moe_experts(x, idx, wt, w, act=act, layout=layout, max_m=max_m).to(out_dtype)

@@ -265,7 +265,8 @@ def quantize_mxfp4(x: torch.Tensor, *, rule: str = "dsv4") -> Tuple[torch.Tensor
 
     Returns:
         ``(data, scale)``: uint8 ``[..., K/2]`` (element 2i in the low nibble) and
-        float8_e8m0fnu ``[..., K/32]``; ``x ~= e2m1 * 2^(scale_byte - 127)``.
+        float8_e8m0fnu ``[..., K/32]``; ``x ~= e2m1 * 2^(scale_byte - 127)``. An empty input
+        (``[0, K]``, any leading dim 0) gives empty outputs of these shapes (no launch work).
 
     Raises:
         ValueError: unknown ``rule``.
@@ -278,8 +279,9 @@ def quantize_mxfp4(x: torch.Tensor, *, rule: str = "dsv4") -> Tuple[torch.Tensor
     x2 = _flatten_rows("x", x, "quantize_mxfp4")
     SPEC_MXFP4.validate({"x": x2})
     data, scale = torch.ops.dsv4.quantize_mxfp4(x2, rule)
-    lead = tuple(x.shape[:-1])
-    return data.reshape(*lead, -1), scale.reshape(*lead, -1)
+    lead, K = tuple(x.shape[:-1]), x.shape[-1]
+    # explicit sizes (never -1): an empty input [0, K] / [..., 0, K] has 0 elements and -1 is ambiguous
+    return data.reshape(*lead, K // 2), scale.reshape(*lead, K // 32)
 
 
 def quantize_fp8_block(x: torch.Tensor, *, block: int = 128, scale_fmt: str = "fp32",
@@ -296,7 +298,8 @@ def quantize_fp8_block(x: torch.Tensor, *, block: int = 128, scale_fmt: str = "f
 
     Returns:
         ``(q, scale)``: float8_e4m3fn ``[..., K]`` and ``scale_dtype`` ``[..., K/block]``;
-        ``x ~= q * scale``.
+        ``x ~= q * scale``. An empty input (``[0, K]``, any leading dim 0) gives empty outputs
+        of these shapes.
 
     Raises:
         ValueError: bad ``block`` / ``scale_fmt`` / ``scale_dtype`` combination.
@@ -316,8 +319,9 @@ def quantize_fp8_block(x: torch.Tensor, *, block: int = 128, scale_fmt: str = "f
     x2 = _flatten_rows("x", x, "quantize_fp8_block")
     SPEC_FP8.validate({"x": x2}, symbols={"block": block})
     q, scale = torch.ops.dsv4.quantize_fp8_block(x2, block, scale_fmt, scale_dtype)
-    lead = tuple(x.shape[:-1])
-    return q.reshape(*lead, -1), scale.reshape(*lead, -1)
+    lead, K = tuple(x.shape[:-1]), x.shape[-1]
+    # explicit sizes (never -1): an empty input [0, K] / [..., 0, K] has 0 elements and -1 is ambiguous
+    return q.reshape(*lead, K), scale.reshape(*lead, K // block)
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, *, block: int = 128,

@@ -105,7 +105,8 @@ def cache_split(cache: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tens
 
 def cache_write_ref(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, fmt: str,
                     global_scale: torch.Tensor | None, hadamard: bool) -> None:
-    """Quantize ``k [N, 128]`` and write token n at ``slot_mapping[n]`` (-1 = skip), in place.
+    """Quantize ``k [N, 128]`` and write token n at ``slot_mapping[n]`` in place. Slots outside
+    ``[0, num_blocks * block_size)`` (-1 by convention) are skipped, as the CUDA kernel does.
 
     Reference only: the boolean selection of valid slots synchronizes with the host (the CUDA
     provider does not).
@@ -114,7 +115,7 @@ def cache_write_ref(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Te
     cv, cs = cache_split(cache, fmt)
     bs = cache.shape[1]
     slot = slot_mapping.long()
-    ok = slot >= 0
+    ok = (slot >= 0) & (slot < cache.shape[0] * bs)
     sl = slot[ok]
     cv[sl // bs, sl % bs] = vals[ok]
     cs[sl // bs, sl % bs] = sf[ok]
@@ -187,16 +188,19 @@ def paged_logits_ref(q: torch.Tensor, w: torch.Tensor, kcache_real: torch.Tensor
                      block_table: torch.Tensor, max_ctx: int, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Decode reference: ``q [B, next_n, 64, 128]`` real, ``w [B*next_n, 64]``, ``kcache_real``
     ``[num_blocks, block_size, 128]`` real keys, ``lens [B, next_n]``, ``block_table [B, max_blocks]``
-    -> fp32 ``[B*next_n, max_ctx]`` (-inf at columns >= the row's length)."""
+    -> fp32 ``[B*next_n, max_ctx]`` (-inf at columns >= the row's length, and at keys whose
+    block_table entry is outside ``[0, num_blocks)``: such pages are never read, as in the kernel)."""
     B, nn = q.shape[:2]
-    bs = kcache_real.shape[1]
+    nb, bs = kcache_real.shape[:2]
     out = torch.full((B * nn, max_ctx), float("-inf"), dtype=torch.float32, device=q.device)
     s = torch.arange(max_ctx, device=q.device)
     for b in range(B):  # reference only (host loop over the batch)
-        pages = block_table[b, (s // bs)].long().clamp_min(0)
-        kb = kcache_real[pages, s % bs]                                    # [max_ctx, 128]
+        raw = block_table[b, (s // bs)].long()
+        valid = (raw >= 0) & (raw < nb)
+        kb = kcache_real[torch.where(valid, raw, 0), s % bs]               # [max_ctx, 128]
         zeros = torch.zeros(nn, dtype=torch.int32, device=q.device)
-        out[b * nn:(b + 1) * nn] = logits_ref(q[b], w[b * nn:(b + 1) * nn], kb, zeros, lens[b], dtype=dtype)
+        o = logits_ref(q[b], w[b * nn:(b + 1) * nn], kb, zeros, lens[b], dtype=dtype)
+        out[b * nn:(b + 1) * nn] = o.masked_fill(~valid[None, :], float("-inf"))
     return out
 
 

@@ -1,0 +1,313 @@
+"""Environment variables of dsv4-kernels: one table (:data:`VARS`) and validated readers.
+
+Every ``DSV4_*`` environment variable the library, the benchmarks, the scripts or the tests read is
+an entry of :data:`VARS` (name -> :class:`Var` ``(type, default, allowed, doc)``); the table is the
+single source of truth for defaults, allowed values and ``docs/configuration.md``, which is
+generated from it::
+
+    python -m dsv4.config --write docs/configuration.md     # regenerate
+    python -m dsv4.config --check docs/configuration.md     # exit 1 if stale (tests/test_config.py)
+
+Readers (:func:`env_int`, :func:`env_flag`, :func:`env_choice`, :func:`env_str`) take the default and
+the allowed values from the table unless given explicitly (computed defaults), treat an unset or
+empty variable as its default, and raise ``ValueError`` naming the variable, the allowed values and
+the value found. Reading a name that is not in the table raises ``KeyError`` (register it first).
+
+This module imports nothing beyond the standard library (safe to import from anywhere in dsv4).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple, Sequence
+
+__all__ = ["Var", "VARS", "env_int", "env_flag", "env_choice", "env_str", "default", "render_markdown",
+           "write_config_doc"]
+
+
+class Var(NamedTuple):
+    """One environment variable.
+
+    Attributes:
+        type: ``"flag"`` (``0`` / ``1``), ``"int"``, ``"choice"`` (one of ``allowed``, strings) or
+            ``"str"`` (free text / path).
+        default: value used when unset or empty; ``None`` when computed (``doc`` says how).
+        allowed: tuple of values, a ``range``, or ``None`` (free text).
+        doc: what it does, who reads it, scope (production / tuning / bench / tests).
+    """
+
+    type: str
+    default: Any
+    allowed: Any
+    doc: str
+
+
+_FLAG = (0, 1)
+
+#: name -> Var. Grouped by area; the order is the order of docs/configuration.md.
+VARS: dict[str, Var] = {
+    # ---------------------------------------------------------------- general
+    "DSV4_OPS": Var("str", "", None,
+        "Force providers: `op=kind[,op=kind]` (`*=torch` applies to every op), e.g. `DSV4_OPS='*=torch'`. "
+        "A forced provider that cannot run raises. Parsed by `dsv4/registry.py`."),
+    "DSV4_PRINT_LAYOUTS": Var("flag", 0, _FLAG,
+        "1: print every operand's dtype / shape / stride next to its layout spec at each dispatch "
+        "(`dsv4/registry.py`). Debug only."),
+    "DSV4_CACHE_DIR": Var("str", "~/.cache/dsv4", None,
+        "Root of the on-disk compile caches: NVRTC cubins (`kernels_cuda/nvrtc.py`) and CuTe DSL `.o` "
+        "exports under `dsl/` (`kernels_dsl/_compile.py`). Empty = the default."),
+    "DSV4_COMPILE_ARCH": Var("str", "sm_90a", None,
+        "Arch of ahead-of-time compile checks on machines without a GPU (`dsv4/target.py`, "
+        "`COMPILE_ARCH`), e.g. `sm_90a`. Read once at import; not validated."),
+    "DSV4_DSL_OPTIONS": Var("str", "", None,
+        "Extra options appended to every `cute.compile` options string after `--gpu-arch ARCH` "
+        "(`kernels_dsl/_compile.py`). Debug / tuning."),
+    "DSV4_DSL_DISK_CACHE": Var("flag", 1, _FLAG,
+        "0: do not load or store compiled CuTe DSL kernels on disk (`kernels_dsl/_compile.py`); the "
+        "in-memory cache stays on."),
+    # ---------------------------------------------------------------- quantize
+    "DSV4_QUANT_FUSED_MAX_CHUNKS": Var("int", 4096, range(0, 1 << 31),
+        "`quantize_nvfp4` with a computed global scale: tensors of at most this many 16-byte chunks take "
+        "the single-CTA fused path (amax + quantize in one launch), larger ones two launches "
+        "(`kernels_cuda/quantize.py` `TUNING`, read at import). Tuning; never changes results."),
+    "DSV4_QUANT_L2_KEEP_MB": Var("int", 32, range(0, 1 << 16),
+        "Two-launch NVFP4 path: MiB at the tail of the input that the amax pass loads with evict_last "
+        "so the (reversed) quantize pass finds them in L2 (`kernels_cuda/quantize.py` `TUNING`, read at "
+        "import). Tuning; never changes results."),
+    "DSV4_QUANT_REVERSE": Var("int", 1, _FLAG,
+        "1: the quantize pass walks tiles tail-first (consumes the L2-resident tail first); 0: forward "
+        "(`kernels_cuda/quantize.py` `TUNING`, read at import). Tuning; never changes results."),
+    # ---------------------------------------------------------------- top-k
+    "DSV4_TOPK_APPEND": Var("int", 0, _FLAG,
+        "Compaction scheme of `topk.cu` (`TOPK_APPEND`): 0 = warp-aggregated atomics on one shared "
+        "counter (default), 1 = block-wide scan compaction, one atomic per CTA per tile "
+        "(`kernels_cuda/topk.py`, read at import). Same results either way."),
+    # ---------------------------------------------------------------- indexer (kernels_cuda/indexer.py)
+    "DSV4_INDEXER_TUNED": Var("flag", 1, _FLAG,
+        "1: the tuned indexer configuration (exact bit-placement E2M1 decode, block-table prefetch, "
+        "batched query loads, deeper decode rings, 64-tile prefill chunks); 0: the first configuration."),
+    "DSV4_INDEXER_MMA": Var("choice", "auto", ("auto", "fp8", "bf16"),
+        "MXFP4 keys: `auto` = decode on the FP8 WGMMA path, prefill on the BF16 path (the faster exact "
+        "path of each); `fp8` / `bf16` = both on that path."),
+    "DSV4_INDEXER_FP8_KEYS": Var("choice", "bf16", ("bf16", "fold", "nofold"),
+        "FP8 E4M3 keys: `bf16` = exact (E4M3 -> BF16, BF16 WGMMA, FP32 accumulation); `fold` / `nofold` = "
+        "raw E4M3 WGMMA, NOT exact on Hopper (bench / tests only)."),
+    "DSV4_INDEXER_BULK": Var("flag", 1, _FLAG,
+        "1: MXFP4 decode on the FP8 path loads each 64-key page slice with two `cp.async.bulk` copies "
+        "(mbarrier ring); 0: 16-byte `cp.async` by every thread."),
+    "DSV4_INDEXER_DEFER": Var("flag", 0, _FLAG,
+        "1: overlap the epilogue of tile t-1 with tile t's first WGMMAs on the FP8 path. Tuning "
+        "(bench)."),
+    "DSV4_INDEXER_SPLIT_NN": Var("flag", 0, _FLAG,
+        "1: decode with next_n > 1 on the FP8 path runs one CTA per query row instead of one per "
+        "sequence. Tuning (bench)."),
+    "DSV4_INDEXER_DECODE_ACCBUF": Var("int", 2, (1, 2),
+        "MXFP4 decode (next_n 1) on the FP8 path: block accumulators per thread (1 = 96 registers, "
+        "5 CTAs/SM; 2 = default). Tuning (bench)."),
+    "DSV4_INDEXER_PREFILL_NQ": Var("int", 2, (1, 2, 3),
+        "Query rows per CTA of prefill on the FP8 fold path (MXFP4 keys); a value the registers do not "
+        "allow falls back to 2. Tuning (bench)."),
+    # ---------------------------------------------------------------- MoE prefill (kernels_cuda/moe.py)
+    "DSV4_MOE_KERNEL": Var("choice", "v4", ("v1", "v2", "v3", "v4"),
+        "Grouped-GEMM kernel of `moe.cu`: `v4` = warp-specialized producer / consumer warpgroups (FP8 "
+        "activations; W4A16 runs v3), `v3` = cp.async ring + 128B-swizzled operands, `v2` = v3 without "
+        "swizzle, `v1` = register prefetch (NVFP4 W4A8 runs v2). All pass the GPU tests."),
+    "DSV4_MOE_V4_PWG": Var("int", 2, (1, 2),
+        "Producer warpgroups of the v4 kernel (`V4_PWG`)."),
+    "DSV4_MOE_V4_STAGES": Var("int", None, range(2, 9),
+        "v4 ring depth (`V4_STAGES`); default 3 for NVFP4 W4A8 (hi + lo tiles), else 4. Tuning only: a "
+        "ring that does not fit 227 KiB of shared memory fails at launch."),
+    "DSV4_MOE_V4_WCOAL": Var("int", 0, _FLAG,
+        "1: v4 packed weights copied by 4 threads per row (coalesced, `V4_WCOAL`). Tuning only."),
+    "DSV4_MOE_DIAG": Var("int", 0, (0, 1, 2, 3),
+        "Benchmark diagnostics of `moe.cu` that compute WRONG results (timing only): 1 = skip the "
+        "WGMMAs, 2 = skip the FP4 decode, 3 (v4) = both. A nonzero value is refused (ValueError) unless "
+        "`DSV4_BENCH_DIAGNOSTICS=1` is also set."),
+    "DSV4_BENCH_DIAGNOSTICS": Var("flag", 0, _FLAG,
+        "1: allow benchmark-only diagnostic kernels that compute wrong results (`DSV4_MOE_DIAG`). Set "
+        "by `bench/bench_moe.py` and `scripts/gpu_moe_prefill.sh` around their diagnostics rows only."),
+    # ---------------------------------------------------------------- MoE decode (kernels_cuda/moe_decode.py)
+    "DSV4_MOE_DECODE": Var("flag", 1, _FLAG,
+        "0: never use the decode kernel (`moe_decode.cu`); every grouped GEMM runs the prefill kernel "
+        "(`moe.cu`)."),
+    "DSV4_MOE_DECODE_MAXM": Var("int", 16, range(0, 17),
+        "Largest `ceil(R / E)` (masked layout: `max_m`) sent to the decode kernel (at most 16; 0 = "
+        "never)."),
+    "DSV4_MOE_DECODE_MMA": Var("int", 1, _FLAG,
+        "Decode consumer math: 1 = per-warp `mma.sync` m16n8k16 (default; GPU tests passed and timed "
+        "on the H200 2026-11-29), 0 = warpgroup RS WGMMA m64nNk16. Same results up to FP32 order."),
+    "DSV4_MOE_DECODE_BULK": Var("int", 0, _FLAG,
+        "Decode weight copies: 0 = 16-byte `cp.async` by the producer warp (default, 2.8x faster on "
+        "the H200), 1 = one 64-byte 1-D bulk copy per row and stage. Tuning (bench)."),
+    "DSV4_MOE_DECODE_L2PF": Var("int", 256, (0, 64, 128, 256),
+        "L2 prefetch-size hint (bytes) on the decode kernel's `cp.async` weight / scale copies. "
+        "Tuning (bench)."),
+    "DSV4_MOE_DECODE_STAGES": Var("int", None, range(2, 9),
+        "Decode ring depth; default: the deepest (at most 6, at least 2) that fits the CTAs per SM of "
+        "the plan. A ring over the 227 KiB opt-in limit sends the GEMM to the prefill kernel. Tuning "
+        "(bench)."),
+    "DSV4_MOE_DECODE_NWG": Var("int", 2, (1, 2),
+        "Decode consumer warpgroups per CTA (stage 1 with FP8 activations always uses 2)."),
+    "DSV4_MOE_DECODE_SPLITK": Var("int", 4, (1, 2, 4, 8, 16),
+        "Largest device-side split-K factor of the decode kernel (it picks the smallest power of two "
+        "that fills the grid); 1 = off."),
+    # ---------------------------------------------------------------- tests only
+    "DSV4_MOE_TEST_VERSIONS": Var("str", "v1,v2,v3,v4", None,
+        "Tests only: comma list of `DSV4_MOE_KERNEL` versions the GPU tests of `tests/test_moe.py` run."),
+    "DSV4_RESULTS_DIR": Var("str", "", None,
+        "Tests only: directory where `tests/test_indexer.py` GPU gates write their measured results "
+        "(JSON); empty = not written."),
+}
+
+
+def _spec(name: str) -> Var:
+    try:
+        return VARS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a registered environment variable: add it to dsv4.config.VARS "
+                       "(and regenerate docs/configuration.md)") from None
+
+
+def _fmt_allowed(allowed: Any) -> str:
+    if allowed is None:
+        return "any"
+    if isinstance(allowed, range):
+        return f"{allowed.start}..{allowed.stop - 1}" + (f" step {allowed.step}" if allowed.step != 1 else "")
+    return ", ".join(str(a) for a in allowed)
+
+
+_UNSET = object()
+
+
+def _raw(name: str) -> str | None:
+    v = os.environ.get(name)
+    return None if v is None or v == "" else v
+
+
+def default(name: str) -> Any:
+    """The table default of ``name`` (``None`` when computed)."""
+    return _spec(name).default
+
+
+def env_int(name: str, default: Any = _UNSET, choices: Sequence[int] | range | None = _UNSET) -> Any:  # noqa: A002
+    """Integer value of environment variable ``name``.
+
+    Args: ``default`` (returned when unset or empty; default: the table's, may be ``None``),
+    ``choices`` (allowed values: tuple or ``range``; default: the table's; ``None`` = any int).
+    Raises: ``ValueError`` naming ``name``, the allowed values and the value found, when the value is
+    not an integer or not allowed; ``KeyError`` when ``name`` is not in :data:`VARS`.
+    """
+    spec = _spec(name)
+    default = spec.default if default is _UNSET else default
+    choices = spec.allowed if choices is _UNSET else choices
+    v = _raw(name)
+    if v is None:
+        return default
+    try:
+        x = int(v, 10)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer ({_fmt_allowed(choices)}), got {v!r}") from None
+    if choices is not None and x not in choices:
+        raise ValueError(f"{name} must be one of {_fmt_allowed(choices)}, got {v!r}")
+    return x
+
+
+def env_flag(name: str, default: Any = _UNSET) -> bool:  # noqa: A002
+    """Boolean value of environment variable ``name``: ``1`` -> True, ``0`` -> False, unset or
+    empty -> ``default`` (default: the table's). Raises ``ValueError`` naming ``name`` for any other
+    value; ``KeyError`` when ``name`` is not in :data:`VARS`."""
+    spec = _spec(name)
+    default = spec.default if default is _UNSET else default
+    v = _raw(name)
+    if v is None:
+        return bool(default)
+    if v not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def env_choice(name: str, default: Any = _UNSET, choices: Sequence[str] = _UNSET) -> str:  # noqa: A002
+    """String value of environment variable ``name``, one of ``choices`` (default: the table's;
+    compared exactly, case-sensitive). Unset or empty -> ``default``. Raises ``ValueError`` naming
+    ``name``, the allowed values and the value found; ``KeyError`` when ``name`` is not in :data:`VARS`."""
+    spec = _spec(name)
+    default = spec.default if default is _UNSET else default
+    choices = spec.allowed if choices is _UNSET else choices
+    v = _raw(name)
+    if v is None:
+        return default
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {v!r}")
+    return v
+
+
+def env_str(name: str, default: Any = _UNSET) -> Any:  # noqa: A002
+    """Free-text value of environment variable ``name`` (unset or empty -> ``default``, default:
+    ``None``, not the table's display default). ``KeyError`` when ``name`` is not in :data:`VARS`."""
+    _spec(name)
+    v = os.environ.get(name)
+    return (None if default is _UNSET else default) if v is None or v == "" else v
+
+
+# ------------------------------------------------------------------------------------- docs
+_HEADER = """# Configuration: environment variables
+
+Generated from `dsv4/config.py` (`VARS`) by `python -m dsv4.config --write docs/configuration.md`;
+`tests/test_config.py` fails when this file is stale. Do not edit by hand.
+
+Every variable is optional. Unset or empty means the default. Variables read through the
+`dsv4.config` helpers (all but `DSV4_OPS`, `DSV4_COMPILE_ARCH` and `DSV4_CACHE_DIR`) are validated: a bad value raises `ValueError` naming the variable, the allowed
+values and the value found (flags accept exactly `0` or `1`). Most are read at each dispatch (set them
+before the call); the `DSV4_QUANT_*`, `DSV4_TOPK_APPEND` and `DSV4_COMPILE_ARCH` values are read once at
+import. Variables marked *tuning* / *bench* exist for benchmarks and never change results, except
+`DSV4_MOE_DIAG` (wrong results by design, refused without `DSV4_BENCH_DIAGNOSTICS=1`) and the inexact
+`DSV4_INDEXER_FP8_KEYS=fold|nofold` modes.
+
+| variable | type | default | allowed | what it does |
+|---|---|---|---|---|
+"""
+
+
+def render_markdown() -> str:
+    """docs/configuration.md, rendered from :data:`VARS`."""
+    rows = []
+    for name, v in VARS.items():
+        d = "computed" if v.default is None else ("(empty)" if v.default == "" else str(v.default))
+        rows.append(f"| `{name}` | {v.type} | {d} | {_fmt_allowed(v.allowed)} | {v.doc} |")
+    return _HEADER + "\n".join(rows) + "\n"
+
+
+def write_config_doc(path: str, check: bool = False) -> bool:
+    """Write :func:`render_markdown` to ``path`` (with ``check``: only compare). Returns True when
+    the file was stale (missing or different)."""
+    md = render_markdown()
+    old = open(path).read() if os.path.exists(path) else None
+    stale = old != md
+    if stale and not check:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(md)
+    return stale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m dsv4.config", description="render docs/configuration.md")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--write", metavar="PATH")
+    g.add_argument("--check", metavar="PATH")
+    a = p.parse_args(argv)
+    if a.write:
+        print(f"{a.write}: " + ("written" if write_config_doc(a.write) else "already up to date"))
+        return 0
+    if a.check:
+        if write_config_doc(a.check, check=True):
+            print(f"{a.check} is out of date; run: python -m dsv4.config --write {a.check}")
+            return 1
+        print(f"{a.check}: up to date")
+        return 0
+    print(render_markdown(), end="")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
