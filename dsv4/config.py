@@ -188,6 +188,13 @@ def default(name: str) -> Any:
     return _spec(name).default
 
 
+def _lookup(name: str, default: Any, choices: Any) -> tuple[Any, Any, str | None]:
+    """(default, allowed values, raw value or None) of ``name``, the table filling what is ``_UNSET``."""
+    spec = _spec(name)
+    return (spec.default if default is _UNSET else default,
+            spec.allowed if choices is _UNSET else choices, _raw(name))
+
+
 def env_int(name: str, default: Any = _UNSET, choices: Sequence[int] | range | None = _UNSET) -> Any:  # noqa: A002
     """Integer value of environment variable ``name``.
 
@@ -196,10 +203,7 @@ def env_int(name: str, default: Any = _UNSET, choices: Sequence[int] | range | N
     Raises: ``ValueError`` naming ``name``, the allowed values and the value found, when the value is
     not an integer or not allowed; ``KeyError`` when ``name`` is not in :data:`VARS`.
     """
-    spec = _spec(name)
-    default = spec.default if default is _UNSET else default
-    choices = spec.allowed if choices is _UNSET else choices
-    v = _raw(name)
+    default, choices, v = _lookup(name, default, choices)
     if v is None:
         return default
     try:
@@ -215,9 +219,7 @@ def env_flag(name: str, default: Any = _UNSET) -> bool:  # noqa: A002
     """Boolean value of environment variable ``name``: ``1`` -> True, ``0`` -> False, unset or
     empty -> ``default`` (default: the table's). Raises ``ValueError`` naming ``name`` for any other
     value; ``KeyError`` when ``name`` is not in :data:`VARS`."""
-    spec = _spec(name)
-    default = spec.default if default is _UNSET else default
-    v = _raw(name)
+    default, _, v = _lookup(name, default, None)
     if v is None:
         return bool(default)
     if v not in ("0", "1"):
@@ -229,10 +231,7 @@ def env_choice(name: str, default: Any = _UNSET, choices: Sequence[str] = _UNSET
     """String value of environment variable ``name``, one of ``choices`` (default: the table's;
     compared exactly, case-sensitive). Unset or empty -> ``default``. Raises ``ValueError`` naming
     ``name``, the allowed values and the value found; ``KeyError`` when ``name`` is not in :data:`VARS`."""
-    spec = _spec(name)
-    default = spec.default if default is _UNSET else default
-    choices = spec.allowed if choices is _UNSET else choices
-    v = _raw(name)
+    default, choices, v = _lookup(name, default, choices)
     if v is None:
         return default
     if v not in choices:
