@@ -16,13 +16,11 @@ Usage: PYTHONPATH=. python3 bench/bench_moe.py [--json out.json] [--quick]
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import time
 
 import torch
 
-from bench._util import copy_bandwidth, save_json, time_flush_l2, time_graph
+from bench._util import copy_bandwidth, env_vars, save_json, time_flush_l2, time_graph
 
 
 def fp8_peak():
@@ -102,21 +100,6 @@ PREFILL_KERNELS = (("default (fp8: v4, bf16: v3)", {}), ("v3", {"DSV4_MOE_KERNEL
 #: (DSV4_MOE_DIAG is refused unless DSV4_BENCH_DIAGNOSTICS=1 is set too: dsv4/config.py)
 PREFILL_DIAG = tuple((f"v4 diag{d}", {"DSV4_MOE_KERNEL": "v4", "DSV4_MOE_DIAG": d, "DSV4_BENCH_DIAGNOSTICS": "1"})
                      for d in ("1", "2", "3"))
-
-
-@contextlib.contextmanager
-def env(**kv):
-    """Set environment variables for the duration of the block (restored afterwards)."""
-    old = {k: os.environ.get(k) for k in kv}
-    os.environ.update({k: str(v) for k, v in kv.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def make_weights(E, D, I, fmt):
@@ -217,7 +200,7 @@ def main():
                         counts[perm[r * n_active:(r + 1) * n_active]] = m
                         gs.append(grouped(E, D, act, counts, "masked", max_m=m))
                     for label, kv in DECODE_KERNELS:
-                        with env(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+                        with env_vars(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
                             t_eager = time_flush_l2(lambda: run_gemms(gs[0], W))
                             t = time_graph([lambda g=g: run_gemms(g, W) for g in gs], iters=max(4, n_rot), reps=10)
                         floor = n_active * bytes_per_expert / (bw * 1e9) * 1e6
@@ -235,7 +218,7 @@ def main():
                     if act == "fp8" and name == "flash" and fmt == "mxfp4" and m == 2048 and not args.quick:
                         kernels = kernels + PREFILL_DIAG
                     for label, kv in kernels:
-                        with env(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+                        with env_vars(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
                             t = time_flush_l2(lambda: run_gemms(g, W), rep=10)
                         rows.append(dict(shape=name, fmt=fmt, act=act, mode=f"prefill {label}", experts=n_active, m=m,
                                          us=t, tflops=fl / (t * 1e-6) / 1e12 if "diag" not in label else float("nan"),

@@ -13,35 +13,14 @@ Usage: PYTHONPATH=. python3 bench/bench_moe_decode.py [--json out.json] [--quick
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import time
 
 import torch
 
-from bench._util import copy_bandwidth, env_info, print_table, time_graph
+from bench._util import copy_bandwidth, env_vars, print_table, save_json, time_graph
 
 SHAPES = {"flash": (4096, 2048, 256, ((8, 1), (64, 4), (256, 16))),
           "pro": (7168, 3072, 384, ((8, 1), (64, 4)))}
-
-
-@contextlib.contextmanager
-def env(**kv):
-    old = {k: os.environ.get(k) for k in kv}
-    for k, v in kv.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = str(v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def make_weights(E, D, I, fmt):
@@ -149,14 +128,14 @@ def main():
                                      ("mma.sync nwg=1", {**MMA, "DSV4_MOE_DECODE_NWG": "1"}),
                                      ("mma.sync stages=3", {**MMA, "DSV4_MOE_DECODE_STAGES": "3"})]
                     for label, kv in variants:
-                        with env(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+                        with env_vars(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
                             t = timed(stage_fns(gs, W, "both"), m)
                         rows.append(dict(shape=name, fmt=fmt, act=act, experts=n, m=m, kernel=label, us=t,
                                          floor_us=floor, pct_bw=100 * floor / t))
                         print(rows[-1], flush=True)
                     if not args.quick and fmt == "mxfp4" and m in (1, 4):  # per-stage times of the decode kernel
                         for lab, kv in (("mma.sync", {"DSV4_MOE_DECODE_MMA": "1"}), ("wgmma", {"DSV4_MOE_DECODE_MMA": "0"})):
-                            with env(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+                            with env_vars(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
                                 for which, b in (("gemm1", b13), ("gemm2", b2)):
                                     t = timed(stage_fns(gs, W, which), m)
                                     fl = n * b / (bw * 1e9) * 1e6
@@ -169,10 +148,7 @@ def main():
     print(f"bench time {time.time() - t0:.0f} s")
     print_table(rows, ["shape", "fmt", "act", "experts", "m", "kernel", "us", "floor_us", "pct_bw"],
                 title=f"MoE decode (GEMM1+SwiGLU + GEMM2, CUDA graph), copy BW {bw:.0f} GB/s; target pct_bw >= 75")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"env": env_info(), "copy_bw_GBps": bw, "rows": rows}, f, indent=1)
+    save_json(args.json, {"copy_bw_GBps": bw, "rows": rows})
 
 
 if __name__ == "__main__":

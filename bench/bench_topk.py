@@ -9,11 +9,10 @@ device-to-device copy bandwidth ((read+write) bytes / time of a 1 GiB copy).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from bench._util import copy_bandwidth, time_graph
+from bench._util import copy_bandwidth, save_json, time_graph
 
 SHAPES = [(64, 65536, 512), (64, 131072, 1024), (1, 129280, 1024), (128, 8192, 512)]
 # (cluster CTAs per row, threads, append scheme)
@@ -88,9 +87,7 @@ def main():
     print("configs (cluster x threads):")
     for r in res["rows"]:
         print(f"  [{r['rows']}, {r['stride']}] k={r['k']}: " + ", ".join(f"{c} {u:.2f}" for c, u in r["configs"].items()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(args.json, res)
 
 
 if __name__ == "__main__":
