@@ -74,7 +74,9 @@ def _include_dirs() -> list[str]:
     return dirs
 
 
-def _nvrtc_compile(src: str, name: str, opts: list[str], want: str) -> bytes:
+def _nvrtc_compile(src: str, name: str, opts: list[str], want: str, with_log: bool = False):
+    """``want`` ('ptx' | 'cubin') bytes of ``src`` compiled with ``opts``; with ``with_log``,
+    ``(bytes, compile log)``. Raises :class:`CompileError` with the log on failure."""
     from cuda.bindings import nvrtc
     err, prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
@@ -97,7 +99,7 @@ def _nvrtc_compile(src: str, name: str, opts: list[str], want: str) -> bytes:
             buf = b" " * size
             (err,) = nvrtc.nvrtcGetPTX(prog, buf)
         _check(err, f"nvrtcGet{want}")
-        return bytes(buf)
+        return (bytes(buf), log_s) if with_log else bytes(buf)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -145,6 +147,14 @@ class CudaModule:
     def ptx(self) -> str:
         """PTX text (compiled fresh; used by compile checks)."""
         return _nvrtc_compile(self.path.read_text(), self.source, self.options(), "ptx").decode(errors="replace")
+
+    def ptxas_report(self) -> tuple[str, str]:
+        """``(ptx, log)`` of one fresh compile with ``--ptxas-options=-v``: the log holds ptxas's
+        registers / spill / shared-memory lines per kernel (compile checks, no GPU needed).
+        Raises :class:`CompileError` (with the log) when the source does not compile."""
+        ptx, log = _nvrtc_compile(self.path.read_text(), self.source, self.options() + ["--ptxas-options=-v"],
+                                  "ptx", with_log=True)
+        return ptx.decode(errors="replace"), log
 
     def cubin(self) -> bytes:
         """The cubin, from the disk cache or compiled (then cached atomically)."""

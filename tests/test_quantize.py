@@ -47,24 +47,8 @@ def _variants():
 
 def _compile(defs: dict):
     """(ptx, ptxas log) of quantize.cu with ``defs`` for sm_90a, from one NVRTC compile (no GPU needed)."""
-    from cuda.bindings import nvrtc as N
-
     from kernels_cuda import nvrtc
-    m = nvrtc.CudaModule("quantize.cu", tuple(sorted((k, str(v)) for k, v in defs.items())))
-    opts = m.options() + ["--ptxas-options=-v"]
-    err, prog = N.nvrtcCreateProgram(m.path.read_text().encode(), b"quantize.cu", 0, [], [])
-    try:
-        (err,) = N.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        _, size = N.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        N.nvrtcGetProgramLog(prog, log)
-        assert err == N.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
-        _, size = N.nvrtcGetPTXSize(prog)
-        ptx = b" " * size
-        N.nvrtcGetPTX(prog, ptx)
-    finally:
-        N.nvrtcDestroyProgram(prog)
-    return ptx.decode(errors="replace"), log.decode(errors="replace")
+    return nvrtc.CudaModule("quantize.cu", tuple(sorted((k, str(v)) for k, v in defs.items()))).ptxas_report()
 
 
 def _kernel_ptx(ptx: str, name: str) -> str:

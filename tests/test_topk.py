@@ -196,19 +196,7 @@ def test_fake_tensor_shapes():
 # ---------------------------------------------------------------------------------------------
 # NVRTC compile checks (no GPU needed)
 def _ptxas_log(mod) -> str:
-    from cuda.bindings import nvrtc
-    opts = mod.options() + ["--ptxas-options=-v"]
-    err, prog = nvrtc.nvrtcCreateProgram(mod.path.read_text().encode(), b"topk.cu", 0, [], [])
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.decode(errors="replace")
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log
-        return log
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    return mod.ptxas_report()[1]
 
 
 @pytest.mark.parametrize("cluster,threads,vec,append", [(1, 512, 1, 1), (2, 512, 1, 1), (8, 1024, 0, 1), (4, 256, 1, 1),
