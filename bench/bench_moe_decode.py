@@ -18,30 +18,10 @@ import time
 import torch
 
 from bench._util import copy_bandwidth, env_vars, print_table, save_json, time_graph
+from bench.bench_moe import make_weights  # same random weights as the MoE benchmark
 
 SHAPES = {"flash": (4096, 2048, 256, ((8, 1), (64, 4), (256, 16))),
           "pro": (7168, 3072, 384, ((8, 1), (64, 4)))}
-
-
-def make_weights(E, D, I, fmt):
-    """Random packed E2M1 bytes, plausible scales (values do not change the timing)."""
-    from dsv4.ops import moe
-    SF = 32 if fmt == "mxfp4" else 16
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device="cuda", generator=g)
-    w2 = torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, device="cuda", generator=g)
-    if fmt == "mxfp4":
-        s13 = torch.randint(118, 123, (E, 2 * I, D // SF), dtype=torch.uint8, device="cuda", generator=g)
-        s2 = torch.randint(118, 123, (E, D, I // SF), dtype=torch.uint8, device="cuda", generator=g)
-        s13, s2, g13, g2 = s13.view(torch.float8_e8m0fnu), s2.view(torch.float8_e8m0fnu), None, None
-    else:
-        s13 = torch.randint(0x30, 0x40, (E, 2 * I, D // SF), dtype=torch.uint8, device="cuda", generator=g)
-        s2 = torch.randint(0x30, 0x40, (E, D, I // SF), dtype=torch.uint8, device="cuda", generator=g)
-        s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
-        g13, g2 = torch.full((E, 2), 0.01, device="cuda"), torch.full((E,), 0.01, device="cuda")
-    W = moe.moe_prepare_weights(w13, s13, w2, s2, fmt=fmt, w13_global=g13, w2_global=g2)
-    del w13, w2
-    return W
 
 
 def masked_group(E, D, act, experts, m, seed):

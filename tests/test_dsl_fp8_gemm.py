@@ -135,6 +135,29 @@ def test_gpu_realistic_size_matches_fp32_reference(cuda_device, tile_n, cluster_
           f" (max |ref| {ref.abs().max().item():.3g})")
 
 
+def _integer_operands(seed, M, N, K):
+    """E4M3 operands with small integer values (a in [-2, 2], b in [-1, 1]): every partial sum is an
+    integer below 2^12, exact under any accumulator rounding."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randint(-2, 3, (M, K), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
+    b = torch.randint(-1, 2, (N, K), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
+    return a, b
+
+
+def _assert_exact_over_grids(a, b, epilogue, **cfg):
+    """fp8_gemm(a, b, **cfg) equals the fp32 reference bitwise on a 2-CTA grid and the default grid:
+    fp32 output (direct epilogue only) and bf16 output (``epilogue``)."""
+    ref = _ref(a, b)
+    for num_ctas in (2, None):
+        if epilogue == "direct":
+            c = G.fp8_gemm(a, b, out_dtype=torch.float32, num_ctas=num_ctas, **cfg)
+            torch.cuda.synchronize()
+            assert torch.equal(c, ref), (num_ctas, (c - ref).abs().max().item())
+        c16 = G.fp8_gemm(a, b, num_ctas=num_ctas, epilogue=epilogue, **cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(c16, ref.to(torch.bfloat16)), num_ctas
+
+
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("epilogue", ["direct", "tma"])
@@ -142,19 +165,8 @@ def test_gpu_small_integers_exact_persistent_tail_tiles(cuda_device, epilogue):
     """Integer operands (|sum| < 2^12: exact under any accumulator rounding) on a tile grid that
     exercises the persistent loop (2 CTAs for 9 tiles), a grouped-M tail (3 M-tiles < GROUP_M)
     and pipeline-phase wrap (K = 1280: 10 k-tiles over 6 stages)."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    M, N, K = 384, 384, 1280
-    a = torch.randint(-2, 3, (M, K), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
-    b = torch.randint(-1, 2, (N, K), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
-    ref = _ref(a, b)
-    for num_ctas in (2, None):
-        if epilogue == "direct":
-            c = G.fp8_gemm(a, b, out_dtype=torch.float32, tile_n=128, num_ctas=num_ctas)
-            torch.cuda.synchronize()
-            assert torch.equal(c, ref), (num_ctas, (c - ref).abs().max().item())
-        c16 = G.fp8_gemm(a, b, tile_n=128, num_ctas=num_ctas, epilogue=epilogue)
-        torch.cuda.synchronize()
-        assert torch.equal(c16, ref.to(torch.bfloat16)), num_ctas
+    a, b = _integer_operands(1, 384, 384, 1280)
+    _assert_exact_over_grids(a, b, epilogue, tile_n=128)
     dt = torch.float32 if epilogue == "direct" else torch.bfloat16
     out = torch.full((128, 256), float("nan"), device="cuda", dtype=dt)
     a1, b1 = a[:128, :128].contiguous(), b[:256, :128].contiguous()
@@ -169,16 +181,5 @@ def test_gpu_small_integers_exact_persistent_tail_tiles(cuda_device, epilogue):
 def test_gpu_cluster_pair_small_integers_exact(cuda_device, epilogue):
     """CTA pairs (B multicast): 4 M-tiles x 3 N-tiles = 6 pair units, one pair walking all of
     them (num_ctas=2) and the default grid; K = 1280 (10 k-tiles over 4 stages)."""
-    g = torch.Generator(device="cuda").manual_seed(2)
-    M, N, K = 512, 768, 1280
-    a = torch.randint(-2, 3, (M, K), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
-    b = torch.randint(-1, 2, (N, K), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
-    ref = _ref(a, b)
-    for num_ctas in (2, None):
-        if epilogue == "direct":
-            c = G.fp8_gemm(a, b, out_dtype=torch.float32, cluster_m=2, num_ctas=num_ctas)
-            torch.cuda.synchronize()
-            assert torch.equal(c, ref), (num_ctas, (c - ref).abs().max().item())
-        c16 = G.fp8_gemm(a, b, cluster_m=2, num_ctas=num_ctas, epilogue=epilogue)
-        torch.cuda.synchronize()
-        assert torch.equal(c16, ref.to(torch.bfloat16)), num_ctas
+    a, b = _integer_operands(2, 512, 768, 1280)
+    _assert_exact_over_grids(a, b, epilogue, cluster_m=2)

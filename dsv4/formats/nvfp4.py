@@ -49,7 +49,7 @@ import torch
 
 from ._checks import require_dtype, require_float_input, require_ndim, require_out_dtype
 from .e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode, pack_e2m1, unpack_e2m1
-from .mxfp4 import finite_absmax
+from .mxfp4 import _INV6_F32, finite_absmax  # fp32(1/6), as the kernels use
 from .scales import E4M3_MAX
 from .swizzle import swizzle_sf_128x4, swizzled_sf_shape, unswizzle_sf_128x4
 
@@ -65,7 +65,6 @@ __all__ = [
 #: Elements per E4M3 block scale.
 NVFP4_BLOCK = 16
 _FLT_MAX = torch.finfo(torch.float32).max
-_INV6_F32 = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()
 _SF_LAYOUTS = ("linear", "swizzled")
 
 
