@@ -1,26 +1,64 @@
-"""Benchmark: DSV4 FP4-weight MoE grouped GEMMs at DSV4-Flash / Pro shapes on the H200.
+"""Benchmark: the DSV4 routed-expert MoE layer (``moe_forward`` / ``moe_experts``) on the H200, as
+users call it (routing, permutation, act_quant, both grouped GEMMs, combine), plus its parts.
 
-Kernels: decode = kernels_cuda/moe_decode.cu (default for few rows per expert) vs the grouped v3
-kernel of moe.cu; prefill = moe.cu v4 (default for FP8 activations) vs v3 (+ v4 diagnostics).
-Ceiling: the CuTe DSL FP8 dense GEMM (kernels_dsl/fp8_gemm.py) at the per-expert GEMM shapes.
+Shapes: DSV4-Flash (D=4096, I=2048, E=256, route_scale 1.5) and Pro (D=7168, I=3072, E=384, 2.5),
+top-6, T in {1, 4, 16, 64, 256, 1024, 4096, 16384} tokens, MXFP4 and NVFP4 weights (random bytes
+with plausible scales: values do not change the timing), W4A8 (``act="fp8"``), contiguous layout
+(masked too for T <= 256, ``max_m`` = the real largest expert count, as an engine would pass it).
+Routings: ``uniform`` (random distinct top-6 per token) and ``skewed`` (one expert in every
+token's top-6: T of the 6T assignments, the most a distinct top-k allows; the 25% of issue 12
+cannot be reached with k = 6 distinct experts).
 
-Decode (masked layout, m tokens per active expert): % of measured copy bandwidth on the weight
-bytes of the active experts (W13 + W2 packed E2M1 + scales). Prefill (contiguous, >= 2048 rows
-per expert): TFLOP/s vs the measured FP8 dense peak (torch._scaled_mm 8192^3 in the same run).
-Baselines in the same process: torch bf16 ``torch._grouped_mm`` (or a bmm) on pre-dequantized
-weights (matmul only; generous to the baseline) and, for decode, torch dequant + matmul.
+Rows per (shape, fmt, T, routing), all timed as CUDA-graph replays (``bench._util.time_graph``),
+rotating over routings with different active experts while their weights fit in L2 several times:
 
-Usage: PYTHONPATH=. python3 bench/bench_moe.py [--json out.json] [--quick]
-(on the H200 with the ceiling rows: source .dsl/activate.sh first)
+* ``moe_forward`` (router included: fp32 gate GEMM + top-k) and ``moe_experts`` (given routing),
+  default providers (``registry.last_choice`` of each op is stored in the JSON);
+* ``glue`` = route + permute (+ act_quant) + combine alone, default providers and the torch glue
+  (``glue torch``), i.e. what the layer costs beyond the two GEMMs;
+* ``gemm1`` / ``gemm2``: ``moe_gemm1_swiglu`` / ``moe_gemm2`` on the layer's grouping, with
+  whatever provider the registry picks;
+* ``old cuda path``: ``moe_experts`` with the torch glue and the CUDA GEMMs (kernels_cuda/moe.py),
+  while that provider exists;
+* ``torch bf16 grouped mm``: ``torch._grouped_mm`` (bf16, CUTLASS, sm_90) on bf16 weights of the
+  same shapes (pre-dequantized: the dequant is not timed; matmul + torch SwiGLU only; falls back
+  to a ``torch.bmm`` over a padded [E, max_count] layout when ``_grouped_mm`` is missing).
+
+Ceilings measured in the same run: device copy bandwidth (``bench._util.copy_bandwidth``,
+read + write) -> floor = active experts' weight bytes (packed E2M1 + scale bytes of W13 and W2)
+/ bandwidth; FP8 peak = ``torch._scaled_mm`` 8192^3 (and, without ``--quick``, the CuTe DSL FP8
+dense GEMM at the per-expert prefill shapes: ``dsl_fp8_ceiling``).
+
+Usage: PYTHONPATH=. python3 bench/bench_moe.py [--json out.json] [--quick] [--shapes flash,pro]
+  [--fmts mxfp4,nvfp4] [--tokens 1,64,4096] [--no-baselines]
+``--quick`` (about 100 s on the H200): flash, MXFP4 and NVFP4, all token counts, skewed routing at
+T = 64 and 4096, torch baselines at those two, no masked rows, no DSL ceiling (measured: flash
+MXFP4 over 6 token counts took 24 s, H200 2026-12-01). ``--gemm cuda|dsl`` forces the grouped
+GEMM provider (default: the registry's choice).
+Measured 2026-12-01 (H200, quick, ``--gemm cuda``): docs/benchmarks.md "MoE layer glue".
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
+import traceback
 
 import torch
 
-from bench._util import copy_bandwidth, env_vars, save_json, time_flush_l2, time_graph
+from bench._util import copy_bandwidth, save_json, time_flush_l2, time_graph
+
+#: name -> (D, I, E, route_scale)
+SHAPES = {"flash": (4096, 2048, 256, 1.5), "pro": (7168, 3072, 384, 2.5)}
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+TOPK = 6
+ROUTINGS = ("uniform", "skewed")
+QUICK_TOKENS = TOKENS
+QUICK_SKEWED = (64, 4096)
+#: L2 of the H200 is 60 MB: rotate over routings until their weights exceed it this many times
+L2_BYTES = 60 << 20
+ROTATE_FACTOR = 3
+MAX_ROTATIONS = 4
 
 
 def fp8_peak():
@@ -91,15 +129,6 @@ def dsl_fp8_ceiling(peak, shapes=None, configs=CEILING_CONFIGS):
     return rows
 
 
-#: Decode kernels compared (env of kernels_cuda/moe.py): the default decode kernel (moe_decode.cu) and
-#: the grouped prefill kernel it replaced for small per-expert row counts.
-DECODE_KERNELS = (("decode-kernel", {}), ("v3 (DSV4_MOE_DECODE=0)", {"DSV4_MOE_DECODE": "0", "DSV4_MOE_KERNEL": "v3"}))
-#: Prefill kernels compared: default v4 (warp-specialized) and v3; diagnostics time v4 with parts switched
-#: off (wrong results, timing only): 1 = no WGMMA, 2 = no FP4 decode, 3 = neither (loads + barriers).
-PREFILL_KERNELS = (("default (fp8: v4, bf16: v3)", {}), ("v3", {"DSV4_MOE_KERNEL": "v3"}))
-#: (DSV4_MOE_DIAG is refused unless DSV4_BENCH_DIAGNOSTICS=1 is set too: dsv4/config.py)
-PREFILL_DIAG = tuple((f"v4 diag{d}", {"DSV4_MOE_KERNEL": "v4", "DSV4_MOE_DIAG": d, "DSV4_BENCH_DIAGNOSTICS": "1"})
-                     for d in ("1", "2", "3"))
 
 
 def make_weights(E, D, I, fmt):
@@ -125,24 +154,6 @@ def make_weights(E, D, I, fmt):
     return W
 
 
-def grouped(E, D, act, counts, layout, max_m=None):
-    """A grouped layout with the given per-expert row counts (device tensors), random activations."""
-    from dsv4.ops.moe import MoEGrouped
-    counts = counts.to(torch.int32)
-    if layout == "contiguous":
-        R = int(counts.sum())
-        row_start = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-    else:
-        R = E * max_m
-        row_start = (torch.arange(E, device="cuda") * max_m).to(torch.int32)
-    x = torch.randn(R, D, device="cuda")
-    if act == "fp8":
-        from dsv4.formats import quantize_fp8_block
-        a, a_s = quantize_fp8_block(x, 128, "ue8m0")
-    else:
-        a, a_s = x.to(torch.bfloat16), None
-    rw = torch.rand(R, device="cuda")
-    return MoEGrouped(a, a_s, row_start, counts, rw, torch.zeros(1, dtype=torch.int64, device="cuda"))
 
 
 def bench_graph(fn):
@@ -150,108 +161,339 @@ def bench_graph(fn):
     return time_graph([fn], iters=10, reps=20)
 
 
-def run_gemms(g, W):
-    from dsv4.ops import moe
-    h, h_s = moe.moe_gemm1_swiglu(g, W)
-    return moe.moe_gemm2(h, h_s, g, W)
+def expert_bytes(D: int, I: int, fmt: str) -> int:
+    """Bytes of one expert's weights as the kernels read them: packed E2M1 + scale bytes, W13 + W2."""
+    SF = 32 if fmt == "mxfp4" else 16
+    return (3 * I * D) // 2 + (3 * I * D) // SF
 
 
-def baseline_bf16(n_active, m, D, I, w13_bf, w2_bf):
-    """torch bf16 grouped matmul on pre-dequantized weights: [n, m, D] x [n, D, 2I] -> swiglu -> x [n, I, D]."""
-    x = torch.randn(n_active, m, D, device="cuda", dtype=torch.bfloat16)
+def make_routing(T: int, E: int, kind: str, seed: int, route_scale: float):
+    """(topk_idx int32 [T, 6], topk_w fp32 [T, 6]) on the GPU: random distinct experts per token;
+    ``skewed``: expert ``seed % E`` replaces the last slot of every token that lacks it."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.rand(T, E, device="cuda", generator=g).topk(TOPK, dim=1).indices
+    if kind == "skewed":
+        hot = seed % E
+        lacks = ~(idx == hot).any(1)
+        idx[:, -1] = torch.where(lacks, torch.full_like(idx[:, -1], hot), idx[:, -1])
+    w = torch.rand(T, TOPK, device="cuda", generator=g) + 0.05
+    w = w / w.sum(1, keepdim=True) * route_scale
+    return idx.to(torch.int32).contiguous(), w.contiguous()
 
-    def f():
-        hh = torch.bmm(x, w13_bf.transpose(1, 2))
-        gate, up = hh[..., :I].float(), hh[..., I:].float()
-        h = (torch.nn.functional.silu(gate.clamp(max=10)) * up.clamp(-10, 10)).to(torch.bfloat16)
-        return torch.bmm(h, w2_bf.transpose(1, 2))
-    return time_flush_l2(f)
+
+def make_gate(E: int, D: int, kind: str, seed: int):
+    """bf16 gate weight [E, D] (as stored in the DSV4 checkpoint; the gate GEMM is fp32 math) and
+    the fp32 selection bias [E]; ``skewed``: a +1e3 bias puts expert ``seed % E`` into every
+    token's top-6 (the router's share of the skew)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gw = (torch.randn(E, D, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    bias = torch.zeros(E, device="cuda")
+    if kind == "skewed":
+        bias[seed % E] = 1e3
+    return gw, bias
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--quick", action="store_true", help="MXFP4 only, fewer rows, 2 ceiling configs")
+def make_x(T: int, D: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+
+
+def _counts(idx: torch.Tensor, E: int) -> torch.Tensor:
+    return torch.bincount(idx.reshape(-1).long(), minlength=E)
+
+
+def grouped_mm_baseline(gs, w13_bf, w2_bf, I: int):
+    """torch bf16 grouped GEMMs on bf16 weights for each grouping of ``gs`` (list of
+    (a_bf16 [R, D], offs int32 [E])): ``_grouped_mm`` -> clamped SwiGLU -> ``_grouped_mm``."""
+    have = hasattr(torch, "_grouped_mm")
+
+    def swiglu(hh):
+        gate, up = hh[:, :I].float(), hh[:, I:].float()
+        return (torch.nn.functional.silu(gate.clamp(max=10)) * up.clamp(-10, 10)).to(torch.bfloat16)
+
+    fns = []
+    for a, offs, padded in gs:
+        if have:
+            def f(a=a, offs=offs):
+                hh = torch._grouped_mm(a, w13_bf.transpose(-2, -1), offs=offs)
+                return torch._grouped_mm(swiglu(hh), w2_bf.transpose(-2, -1), offs=offs)
+        else:   # loop-free fallback: bmm over [E, max_count] padded rows
+            def f(padded=padded):
+                hh = torch.bmm(padded, w13_bf.transpose(1, 2))
+                E_, M_, _ = hh.shape
+                h = swiglu(hh.view(E_ * M_, -1)).view(E_, M_, -1)
+                return torch.bmm(h, w2_bf.transpose(1, 2))
+        fns.append(f)
+    return fns, ("torch._grouped_mm" if have else "torch.bmm (padded)")
+
+
+class LayerCase:
+    """Inputs of one (shape, fmt, T, routing) point: ``n_rot`` rotations of (x, idx, w) and of
+    (x, gate weight, bias) for moe_forward, their groupings and active-expert counts."""
+
+    def __init__(self, name, W, T, kind, fmt, seed=0):
+        D, I, E, rs = SHAPES[name]
+        self.name, self.W, self.T, self.kind, self.fmt = name, W, T, kind, fmt
+        self.D, self.I, self.E, self.route_scale = D, I, E, rs
+        per_token = expert_bytes(D, I, fmt)
+        est_active = min(E, T * TOPK)
+        self.n_rot = max(1, min(MAX_ROTATIONS, -(-ROTATE_FACTOR * L2_BYTES // max(1, est_active * per_token))))
+        self.rot = []
+        for r in range(self.n_rot):
+            s = seed + 1000 * r + 7
+            x = make_x(T, D, s)
+            idx, w = make_routing(T, E, kind, s, rs)
+            gw, bias = make_gate(E, D, kind, s)
+            self.rot.append(dict(x=x, idx=idx, w=w, gw=gw, bias=bias))
+        # host-side statistics (outside any timing): active experts averaged over the rotations
+        from dsv4.ops import moe
+        cs = [_counts(r["idx"], E) for r in self.rot]
+        fs = [_counts(moe.moe_route(r["x"], r["gw"], topk=TOPK, route_scale=rs, bias=r["bias"])[0], E) for r in self.rot]
+        self.active = sum(int((c > 0).sum()) for c in cs) / self.n_rot
+        self.active_forward = sum(int((c > 0).sum()) for c in fs) / self.n_rot
+        self.max_count = max(int(c.max()) for c in cs)
+        self.bytes = int(self.active * per_token)
+        self.bytes_forward = int(self.active_forward * per_token)
+        self.flops = 2 * T * TOPK * 3 * I * D
+
+    # -- callables (each returns the layer output) -----------------------------------------
+    def experts_fns(self, layout="contiguous"):
+        from dsv4.ops import moe
+        mm = self.max_count if layout == "masked" else None
+        return [lambda r=r: moe.moe_experts(r["x"], r["idx"], r["w"], self.W, layout=layout, max_m=mm) for r in self.rot]
+
+    def forward_fns(self):
+        from dsv4.ops import moe
+        return [lambda r=r: moe.moe_forward(r["x"], self.W, r["gw"], topk=TOPK, route_scale=self.route_scale,
+                                            bias=r["bias"]) for r in self.rot]
+
+    def glue_fns(self):
+        """route + permute + combine (on a stand-in GEMM2 output of the right shape)."""
+        from dsv4.ops import moe
+        fns = []
+        for r in self.rot:
+            y = torch.empty(self.T * TOPK, self.D, device="cuda")
+
+            def f(r=r, y=y):
+                idx, w = moe.moe_route(r["x"], r["gw"], topk=TOPK, route_scale=self.route_scale, bias=r["bias"])
+                g = moe.moe_permute(r["x"], idx, w, self.E)
+                return moe.moe_combine(y, g.pos, self.T, TOPK)
+            fns.append(f)
+        return fns
+
+    def gemm_fns(self, which):
+        from dsv4.ops import moe
+        fns = []
+        for r in self.rot:
+            g = moe.moe_permute(r["x"], r["idx"], r["w"], self.E)
+            if which == "gemm1":
+                fns.append(lambda g=g: moe.moe_gemm1_swiglu(g, self.W))
+            else:
+                h, h_s = moe.moe_gemm1_swiglu(g, self.W)
+                fns.append(lambda g=g, h=h, h_s=h_s: moe.moe_gemm2(h, h_s, g, self.W))
+        return fns
+
+    def baseline_inputs(self):
+        out = []
+        for r in self.rot:
+            c = _counts(r["idx"], self.E)
+            offs = torch.cumsum(c, 0).to(torch.int32)
+            a = torch.randn(self.T * TOPK, self.D, device="cuda").to(torch.bfloat16)
+            padded = None if hasattr(torch, "_grouped_mm") else \
+                torch.randn(self.E, int(c.max()), self.D, device="cuda").to(torch.bfloat16)
+            out.append((a, offs, padded))
+        return out
+
+
+def _iters(n_fns: int, est_us: float) -> tuple[int, int]:
+    """(calls per graph, replays): about 20 ms of work per replay, at least one call per rotation."""
+    per = max(n_fns, min(40, int(20000 / max(est_us, 1.0))))
+    per = -(-per // n_fns) * n_fns
+    return per, (10 if est_us < 2000 else 5)
+
+
+def timed(fns, est_us=100.0):
+    for f in fns:   # compile / warm up outside the graph
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fns[0]()
+    torch.cuda.synchronize()
+    est = max(est_us, (time.perf_counter() - t0) * 1e6 * 0.5)
+    iters, reps = _iters(len(fns), est)
+    return time_graph(fns, iters=iters, reps=reps)
+
+
+def _choices():
+    from dsv4 import registry
+    out = {}
+    for op in ("moe_route", "moe_permute", "moe_gemm1_swiglu", "moe_gemm2", "moe_combine"):
+        c = registry.last_choice(op)
+        if c is not None:
+            out[op] = c.kind + ": " + c.reason
+    return out
+
+
+class DeviceDead(RuntimeError):
+    """A sticky CUDA error (illegal address, ...): the context cannot run anything more."""
+
+
+def layer_rows(case: LayerCase, bw: float, peak: float, args, w_bf=None, rows=None) -> list[dict]:
+    from dsv4 import registry
+    rows = [] if rows is None else rows
+    base = dict(shape=case.name, fmt=case.fmt, act="fp8", routing=case.kind, T=case.T, active=case.active,
+                max_count=case.max_count, rotations=case.n_rot)
+    gemm_ctx = {} if args.gemm == "default" else {"moe_gemm1_swiglu": args.gemm, "moe_gemm2": args.gemm}
+
+    def add(mode, build, *, nbytes=None, flops=None, layout="contiguous", ctx=None, est=100.0, extra=None):
+        """Time the callables ``build()`` returns (built under the row's provider overrides)."""
+        try:
+            with registry.use(dict(gemm_ctx, **(ctx or {}))):
+                us = timed(build(), est)
+                ch = _choices()
+        except Exception as e:  # noqa: BLE001 - one failing row must not stop the run
+            print(f"  {mode}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            traceback.print_exc()
+            rows.append(dict(base, mode=mode, layout=layout, us=float("nan"), error=f"{type(e).__name__}: {e}"[:500]))
+            try:
+                torch.cuda.synchronize()
+            except Exception as e2:  # noqa: BLE001
+                raise DeviceDead(f"{mode} at T={case.T}: {type(e2).__name__}: {str(e2)[:200]}") from e
+            return float("nan")
+        r = dict(base, mode=mode, layout=layout, us=us, providers=ch)
+        if nbytes:
+            r["floor_us"] = nbytes / (bw * 1e9) * 1e6
+            r["pct_bw"] = 100 * r["floor_us"] / us
+        if flops:
+            r["tflops"] = flops / (us * 1e-6) / 1e12
+            r["pct_peak"] = 100 * r["tflops"] / peak
+        if extra:
+            r.update(extra)
+        rows.append(r)
+        print(f"  {mode:24s} {layout:10s} {us:10.1f} us" + (f"  {r['pct_bw']:5.1f}% BW" if nbytes else "")
+              + (f"  {r['tflops']:7.1f} TFLOP/s" if flops else ""), flush=True)
+        return us
+
+    est = max(20.0, case.flops / 400e12 * 1e6, case.bytes / 2e12 * 1e6)
+    t_exp = add("moe_experts", case.experts_fns, nbytes=case.bytes, flops=case.flops, est=est)
+    add("moe_forward", case.forward_fns, nbytes=case.bytes_forward, flops=case.flops, est=est)
+    if case.T <= 256 and not args.quick:
+        add("moe_experts", lambda: case.experts_fns("masked"), nbytes=case.bytes, flops=case.flops, layout="masked", est=est,
+            extra={"max_m": case.max_count})
+    add("glue", case.glue_fns, est=10.0)
+    add("glue torch", case.glue_fns, ctx={"moe_route": "torch", "moe_permute": "torch", "moe_combine": "torch"},
+        est=50.0)
+    g1 = 2 * case.T * TOPK * 2 * case.I * case.D
+    add("gemm1", lambda: case.gemm_fns("gemm1"), nbytes=case.bytes * 2 // 3, flops=g1, est=est * 2 / 3)
+    add("gemm2", lambda: case.gemm_fns("gemm2"), nbytes=case.bytes // 3, flops=case.flops - g1, est=est / 3)
+    if not args.no_old and _old_cuda_available():
+        add("old cuda path", case.experts_fns, nbytes=case.bytes, flops=case.flops, est=max(est, t_exp or 0),
+            ctx={"moe_route": "torch", "moe_permute": "torch", "moe_combine": "torch", "moe_gemm1_swiglu": "cuda",
+                 "moe_gemm2": "cuda"})
+    if w_bf is not None and (not args.quick or case.T in QUICK_SKEWED):
+        fns, what = grouped_mm_baseline(case.baseline_inputs(), w_bf[0], w_bf[1], case.I)
+        add("torch bf16 grouped mm", lambda: fns, nbytes=case.active * 3 * case.I * case.D * 2, flops=case.flops, est=est,
+            extra={"baseline": what + " on pre-dequantized bf16 weights (matmul + SwiGLU)"})
+    return rows
+
+
+def _old_cuda_available() -> bool:
+    from dsv4 import registry
+    from dsv4.target import Target
+    p = {"fmt": "mxfp4", "act": "fp8", "E": 256, "N": 4096, "K": 4096, "device": "cuda"}
+    return bool(registry.get_op("moe_gemm1_swiglu").check("cuda", p, Target.of("cuda")))
+
+
+def bf16_weights(E: int, D: int, I: int):
+    """bf16 W13 [E, 2I, D] and W2 [E, D, I] for the torch baseline (uniform values: the timing
+    does not depend on them; dequantizing 13-51 GB of FP4 would cost more than the whole run)."""
+    w13 = torch.empty(E, 2 * I, D, device="cuda", dtype=torch.bfloat16).uniform_(-0.02, 0.02)
+    w2 = torch.empty(E, D, I, device="cuda", dtype=torch.bfloat16).uniform_(-0.02, 0.02)
+    return w13, w2
+
+
+def _fmt(v, spec):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def print_tables(rows):
+    print("\n| shape | fmt | routing | T | active | mode | layout | us | floor us | % copy BW | TFLOP/s | % FP8 peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "T" not in r:
+            continue
+        print(f"| {r['shape']} | {r['fmt']} | {r['routing']} | {r['T']} | {r['active']:.0f} | {r['mode']} | {r['layout']} | "
+              f"{_fmt(r.get('us'), '.1f')} | {_fmt(r.get('floor_us'), '.1f')} | {_fmt(r.get('pct_bw'), '.0f')} | "
+              f"{_fmt(r.get('tflops'), '.0f')} | {_fmt(r.get('pct_peak'), '.0f')} |")
+    glue = [r for r in rows if r.get("mode") in ("glue", "glue torch") and r.get("routing") == "uniform"]
+    if glue:
+        print("\nglue alone (route + permute/act_quant + combine, graph replay, uniform routing):")
+        for r in glue:
+            print(f"  {r['shape']} {r['fmt']} T={r['T']:>5} {r['mode']:10s} {_fmt(r.get('us'), '.1f')} us")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="DSV4 MoE layer benchmark (H200)")
+    ap.add_argument("--json", default=None, help="write all rows as strict JSON here")
+    ap.add_argument("--quick", action="store_true", help="flash, both formats, about 100 s")
     ap.add_argument("--shapes", default="flash,pro", help="comma list of flash, pro")
-    args = ap.parse_args()
-    from dsv4.registry import use
-    from dsv4.reference.moe import dequant_fp4_weight
-    torch.backends.cuda.matmul.allow_tf32 = True
+    ap.add_argument("--fmts", default="mxfp4,nvfp4", help="comma list of mxfp4, nvfp4")
+    ap.add_argument("--tokens", default=None, help="comma list of token counts (default: all 8, quick: 6)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the torch bf16 grouped mm rows")
+    ap.add_argument("--no-old", action="store_true", help="skip the old CUDA path rows")
+    ap.add_argument("--ceiling", action="store_true", help="also time the CuTe DSL FP8 dense ceiling rows")
+    ap.add_argument("--gemm", default="default", choices=("default", "dsl", "cuda", "torch"),
+                    help="force the provider of moe_gemm1_swiglu / moe_gemm2 (default: the registry's choice)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        import sys
+        print("bench_moe needs a CUDA GPU (H200)", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False   # the gate GEMM is fp32, as in the reference
+    t_start = time.perf_counter()
     bw = copy_bandwidth()
     peak = fp8_peak()
-    print(f"copy bandwidth {bw:.0f} GB/s, fp8 _scaled_mm 8192^3 {peak:.0f} TFLOP/s")
-    rows = dsl_fp8_ceiling(peak, configs=CEILING_CONFIGS[:2] if args.quick else CEILING_CONFIGS)
-    shapes = {"flash": (4096, 2048, 256), "pro": (7168, 3072, 384)}
-    shapes = {k: shapes[k] for k in args.shapes.split(",")}
-    for name, (D, I, E) in shapes.items():
-        for fmt in (("mxfp4",) if args.quick else ("mxfp4", "nvfp4")):
+    print(f"copy bandwidth {bw:.0f} GB/s, fp8 _scaled_mm 8192^3 {peak:.0f} TFLOP/s; torch._grouped_mm "
+          f"{'available' if hasattr(torch, '_grouped_mm') else 'missing (bmm fallback)'}", flush=True)
+    rows = dsl_fp8_ceiling(peak, configs=CEILING_CONFIGS) if args.ceiling else []
+    shapes = args.shapes.split(",")
+    fmts = args.fmts.split(",")
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(TOKENS)
+    if args.quick:
+        shapes = shapes[:1]
+        tokens = [t for t in tokens if t in QUICK_TOKENS] if args.tokens else list(QUICK_TOKENS)
+    for name in shapes:
+        D, I, E, _ = SHAPES[name]
+        w_bf = None if args.no_baselines else bf16_weights(E, D, I)
+        for fmt in fmts:
             W = make_weights(E, D, I, fmt)
-            SF = 32 if fmt == "mxfp4" else 16
-            bytes_per_expert = (2 * I * D + D * I) // 2 + (2 * I * D + D * I) // SF
-            for act in ("fp8", "bf16"):
-                # decode: n_active experts x m tokens, masked layout; several routings with disjoint
-                # active experts are replayed in turn so one replay's weights are not in L2 from the last
-                for n_active, m in ((8, 1), (64, 4), (E, 16)):
-                    n_rot = max(1, min(4, E // n_active))
-                    perm = torch.randperm(E, device="cuda")
-                    gs = []
-                    for r in range(n_rot):
-                        counts = torch.zeros(E, dtype=torch.int32, device="cuda")
-                        counts[perm[r * n_active:(r + 1) * n_active]] = m
-                        gs.append(grouped(E, D, act, counts, "masked", max_m=m))
-                    for label, kv in DECODE_KERNELS:
-                        with env_vars(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
-                            t_eager = time_flush_l2(lambda: run_gemms(gs[0], W))
-                            t = time_graph([lambda g=g: run_gemms(g, W) for g in gs], iters=max(4, n_rot), reps=10)
-                        floor = n_active * bytes_per_expert / (bw * 1e9) * 1e6
-                        rows.append(dict(shape=name, fmt=fmt, act=act, mode=f"decode-graph {label}", experts=n_active,
-                                         m=m, us=t, us_eager=t_eager, floor_us=floor, pct_bw=100 * floor / t,
-                                         tflops=2 * n_active * m * 3 * I * D / (t * 1e-6) / 1e12))
-                        print(rows[-1], flush=True)
-                # prefill: contiguous, 2048 (and 4096) rows per expert
-                for n_active, m in ((16, 2048),) if args.quick else ((16, 2048), (8, 4096)):
-                    counts = torch.zeros(E, dtype=torch.int32, device="cuda")
-                    counts[torch.randperm(E, device="cuda")[:n_active]] = m
-                    g = grouped(E, D, act, counts, "contiguous")
-                    fl = 2 * n_active * m * 3 * I * D
-                    kernels = PREFILL_KERNELS if act == "fp8" else PREFILL_KERNELS[:1]  # W4A16 always runs v3
-                    if act == "fp8" and name == "flash" and fmt == "mxfp4" and m == 2048 and not args.quick:
-                        kernels = kernels + PREFILL_DIAG
-                    for label, kv in kernels:
-                        with env_vars(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
-                            t = time_flush_l2(lambda: run_gemms(g, W), rep=10)
-                        rows.append(dict(shape=name, fmt=fmt, act=act, mode=f"prefill {label}", experts=n_active, m=m,
-                                         us=t, tflops=fl / (t * 1e-6) / 1e12 if "diag" not in label else float("nan"),
-                                         pct_peak=100 * fl / (t * 1e-6) / 1e12 / peak if "diag" not in label
-                                         else float("nan")))
-                        print(rows[-1], flush=True)
-            # baselines (bf16 torch on pre-dequantized weights), once per shape/fmt
-            for n_active, m in ((8, 1), (16, 2048)):
-                from dsv4.reference.moe import _unpermute_w13
-                w13_bf = _unpermute_w13(dequant_fp4_weight(W.w13[:n_active], W.w13_scale[:n_active], fmt), I)
-                w13_bf = (w13_bf * W.g13[:n_active, :1, None]).to(torch.bfloat16)
-                w2_bf = (dequant_fp4_weight(W.w2[:n_active], W.w2_scale[:n_active], fmt)).to(torch.bfloat16)
-                t = baseline_bf16(n_active, m, D, I, w13_bf, w2_bf)
-                tdq = time_flush_l2(lambda: (dequant_fp4_weight(W.w13[:n_active], W.w13_scale[:n_active], fmt).to(torch.bfloat16),
-                                     dequant_fp4_weight(W.w2[:n_active], W.w2_scale[:n_active], fmt).to(torch.bfloat16)), rep=5)
-                floor = n_active * bytes_per_expert / (bw * 1e9) * 1e6
-                rows.append(dict(shape=name, fmt=fmt, act="torch-bf16", mode="baseline", experts=n_active, m=m,
-                                 us=t, us_with_dequant=t + tdq, floor_us=floor, pct_bw=100 * floor / t,
-                                 tflops=2 * n_active * m * 3 * I * D / (t * 1e-6) / 1e12))
-                print(rows[-1], flush=True)
-                del w13_bf, w2_bf
+            for T in tokens:
+                for kind in ROUTINGS:
+                    if kind == "skewed" and args.quick and T not in QUICK_SKEWED:
+                        continue
+                    print(f"{name} {fmt} T={T} {kind} (+{time.perf_counter() - t_start:.0f}s)", flush=True)
+                    try:
+                        case = LayerCase(name, W, T, kind, fmt, seed=T)
+                        layer_rows(case, bw, peak, args, w_bf, rows)
+                    except DeviceDead as e:
+                        print(f"ABORT: the CUDA context is dead ({e}); rows so far are kept", flush=True)
+                        print_tables(rows)
+                        save_json(args.json, {"copy_bw_GBps": bw, "fp8_peak_tflops": peak, "rows": rows,
+                                              "aborted": str(e), "gpu": torch.cuda.get_device_name()})
+                        return 3
+                    del case
+                    torch.cuda.empty_cache()
             del W
             torch.cuda.empty_cache()
-    print("\n| shape | fmt | act | mode | experts x m | us | floor us | % copy BW | TFLOP/s | % FP8 peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['shape']} | {r['fmt']} | {r['act']} | {r['mode']} | {r['experts']} x {r['m']} | {r['us']:.1f} | "
-              f"{r.get('floor_us', float('nan')):.1f} | {r.get('pct_bw', float('nan')):.0f} | {r['tflops']:.0f} | "
-              f"{r.get('pct_peak', float('nan')):.0f} |")
-    # NaN (diagnostics rows, missing columns) -> null: strict JSON (bench/_util.py save_json)
+        del w_bf
+        torch.cuda.empty_cache()
+    print_tables(rows)
+    print(f"total {time.perf_counter() - t_start:.0f}s")
     save_json(args.json, {"copy_bw_GBps": bw, "fp8_peak_tflops": peak, "rows": rows,
+                          "grouped_mm": "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "torch.bmm (padded)",
                           "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

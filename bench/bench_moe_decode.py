@@ -1,5 +1,6 @@
 """Benchmark: MoE decode (masked layout, few tokens per active expert), decode kernel
-(kernels_cuda/moe_decode.cu) vs the prefill kernel on the same inputs (``DSV4_MOE_DECODE=0``),
+(kernels_cuda/moe_decode.cu) vs the prefill kernel on the same inputs (``DSV4_MOE_DECODE=0``)
+and vs the CuTe DSL grouped GEMM (kernels_dsl/moe.py, forced, with the ``max_m`` hint),
 against the weight-byte floor, in one process on the H200.
 
 Timed: GEMM1 (W13 + clamped SwiGLU + routing weight + FP8 requant / bf16 h) + GEMM2 (W2), replayed
@@ -49,14 +50,14 @@ def groups_for(E, D, act, n, m):
     return [masked_group(E, D, act, perm[i * n:(i + 1) * n], m, seed=i) for i in range(nrot)]
 
 
-def stage_fns(gs, W, which):
+def stage_fns(gs, W, which, max_m=None):
     from dsv4.ops import moe
     fns = []
     for g in gs:
         if which == "both":
             def f(g=g):
-                h, h_s = moe.moe_gemm1_swiglu(g, W)
-                return moe.moe_gemm2(h, h_s, g, W)
+                h, h_s = moe.moe_gemm1_swiglu(g, W, max_m=max_m)
+                return moe.moe_gemm2(h, h_s, g, W, max_m=max_m)
         elif which == "gemm1":
             def f(g=g):
                 return moe.moe_gemm1_swiglu(g, W)
@@ -96,7 +97,8 @@ def main():
                     floor = n * (b13 + b2) / (bw * 1e9) * 1e6
                     MMA, WG = {"DSV4_MOE_DECODE_MMA": "1"}, {"DSV4_MOE_DECODE_MMA": "0"}
                     variants = [("decode mma.sync", MMA), ("decode wgmma", WG),
-                                ("old (DSV4_MOE_DECODE=0)", {"DSV4_MOE_DECODE": "0"})]
+                                ("old (DSV4_MOE_DECODE=0)", {"DSV4_MOE_DECODE": "0"}),
+                                ("dsl (kernels_dsl/moe.py)", {"DSL": "1"})]
                     if not args.quick and fmt == "mxfp4" and m == 1:
                         variants += [("mma.sync splitk=1", {**MMA, "DSV4_MOE_DECODE_SPLITK": "1"}),
                                      ("wgmma splitk=1", {**WG, "DSV4_MOE_DECODE_SPLITK": "1"})]
@@ -108,8 +110,9 @@ def main():
                                      ("mma.sync nwg=1", {**MMA, "DSV4_MOE_DECODE_NWG": "1"}),
                                      ("mma.sync stages=3", {**MMA, "DSV4_MOE_DECODE_STAGES": "3"})]
                     for label, kv in variants:
-                        with env_vars(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
-                            t = timed(stage_fns(gs, W, "both"), m)
+                        prov = "dsl" if kv.pop("DSL", None) else "cuda"
+                        with env_vars(**kv), use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
+                            t = timed(stage_fns(gs, W, "both", max_m=m if prov == "dsl" else None), m)
                         rows.append(dict(shape=name, fmt=fmt, act=act, experts=n, m=m, kernel=label, us=t,
                                          floor_us=floor, pct_bw=100 * floor / t))
                         print(rows[-1], flush=True)

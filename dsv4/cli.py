@@ -1,7 +1,8 @@
 """``dsv4`` command line (also ``python -m dsv4``).
 
 Commands:
-    dsv4 run       the main job: one DSV4 CSA layer's sparse path end to end (see dsv4/pipeline.py)
+    dsv4 run       the main job: one DSV4 layer's attention path end to end, --layer csa|hca|swa
+                   (see dsv4/pipeline.py)
     dsv4 ops       the registry table for this machine (op, providers, chosen, reason)
     dsv4 layouts   the layout specs of each op's boundary (``--write DIR`` renders docs/layouts)
     dsv4 bench OP  runs ``bench/bench_<OP>.py`` with the remaining arguments
@@ -143,7 +144,7 @@ def _nonfinite_inputs(path: str) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .pipeline import RATIO, InputError, run_csa_layer
+    from .pipeline import RATIO, InputError, run_layer
     args.device = _device(args.device)
     warning = ""
     if args.inputs:
@@ -154,13 +155,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "are meaningless (a recall of 0.0000 or NaN is expected); fix the captured tensors.")
             print(warning, file=sys.stderr)
     try:
-        out = run_csa_layer(args)
+        out = run_layer(args)
     except InputError as e:
         print(f"dsv4 run: {e}", file=sys.stderr)
         return 2
     cfg = out.get("config", {}) if isinstance(out, dict) else {}
     k, n = cfg.get("topk"), cfg.get("entries")
-    if isinstance(k, int) and isinstance(n, int) and k >= n:
+    if cfg.get("layer", "csa") == "csa" and isinstance(k, int) and isinstance(n, int) and k >= n:
         print(f"note: top-{k} >= {n} compressed entries per sequence: every visible entry is selected, so the "
               f"top-k recall is trivially 1.0 and measures nothing (use a context longer than {RATIO} x {k} = "
               f"{RATIO * k} tokens, i.e. more than {k} compressed entries)")
@@ -176,20 +177,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dsv4-kernels {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    r = sub.add_parser("run", help="run one DSV4 CSA layer's sparse path end to end and print the stage table")
+    r = sub.add_parser("run", help="run one DSV4 layer's attention path end to end and print the stage table")
+    r.add_argument("--layer", choices=("csa", "hca", "swa"), default="csa",
+                   help="csa: indexer + top-k + sparse attention (ratio 4); hca: compressor + attention over every "
+                        "compressed entry (ratio 128); swa: sliding window only (default: csa)")
     r.add_argument("--model", choices=("flash", "pro"), default="flash",
                    help="DSV4-Flash (64 heads, top-512) or DSV4-Pro (128 heads, top-1024) shapes (default: flash)")
     r.add_argument("--context", type=int, default=None,
                    help="context length in tokens per sequence, a multiple of 4 (default: 32768 on GPU, 8192 on CPU)")
     r.add_argument("--batch", type=int, default=None, help="decode batch size (default: 8 on GPU, 2 on CPU)")
     r.add_argument("--next-n", type=int, default=1, choices=(1, 2, 3, 4), help="queries per sequence (MTP)")
-    r.add_argument("--format", choices=("mxfp4", "nvfp4", "fp8"), default="mxfp4", help="indexer key format")
+    r.add_argument("--format", choices=("mxfp4", "nvfp4", "fp8"), default="mxfp4",
+                   help="indexer key format (CSA layers)")
     r.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to run: cuda, cpu or auto (default: auto = cuda if a GPU is visible, else cpu)")
     r.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default: 0)")
     r.add_argument("--json", metavar="PATH", help="write the results as JSON")
     r.add_argument("--plot", metavar="PATH", help="write a PNG time-breakdown / roofline chart")
-    r.add_argument("--inputs", metavar="PATH", help="safetensors file of captured tensors (q, K, w, kv)")
+    r.add_argument("--inputs", metavar="PATH", help="safetensors file of captured CSA-layer tensors (q, K, w, kv)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     o = sub.add_parser("ops", help="registry table: op, providers, chosen, reason")

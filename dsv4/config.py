@@ -81,31 +81,6 @@ VARS: dict[str, Var] = {
         "Compaction scheme of `topk.cu` (`TOPK_APPEND`): 0 = warp-aggregated atomics on one shared "
         "counter (default), 1 = block-wide scan compaction, one atomic per CTA per tile "
         "(`kernels_cuda/topk.py`, read at import). Same results either way."),
-    # ---------------------------------------------------------------- indexer (kernels_cuda/indexer.py)
-    "DSV4_INDEXER_TUNED": Var("flag", 1, _FLAG,
-        "1: the tuned indexer configuration (exact bit-placement E2M1 decode, block-table prefetch, "
-        "batched query loads, deeper decode rings, 64-tile prefill chunks); 0: the first configuration."),
-    "DSV4_INDEXER_MMA": Var("choice", "auto", ("auto", "fp8", "bf16"),
-        "MXFP4 keys: `auto` = decode on the FP8 WGMMA path, prefill on the BF16 path (the faster exact "
-        "path of each); `fp8` / `bf16` = both on that path."),
-    "DSV4_INDEXER_FP8_KEYS": Var("choice", "bf16", ("bf16", "fold", "nofold"),
-        "FP8 E4M3 keys: `bf16` = exact (E4M3 -> BF16, BF16 WGMMA, FP32 accumulation); `fold` / `nofold` = "
-        "raw E4M3 WGMMA, NOT exact on Hopper (bench / tests only)."),
-    "DSV4_INDEXER_BULK": Var("flag", 1, _FLAG,
-        "1: MXFP4 decode on the FP8 path loads each 64-key page slice with two `cp.async.bulk` copies "
-        "(mbarrier ring); 0: 16-byte `cp.async` by every thread."),
-    "DSV4_INDEXER_DEFER": Var("flag", 0, _FLAG,
-        "1: overlap the epilogue of tile t-1 with tile t's first WGMMAs on the FP8 path. Tuning "
-        "(bench)."),
-    "DSV4_INDEXER_SPLIT_NN": Var("flag", 0, _FLAG,
-        "1: decode with next_n > 1 on the FP8 path runs one CTA per query row instead of one per "
-        "sequence. Tuning (bench)."),
-    "DSV4_INDEXER_DECODE_ACCBUF": Var("int", 2, (1, 2),
-        "MXFP4 decode (next_n 1) on the FP8 path: block accumulators per thread (1 = 96 registers, "
-        "5 CTAs/SM; 2 = default). Tuning (bench)."),
-    "DSV4_INDEXER_PREFILL_NQ": Var("int", 2, (1, 2, 3),
-        "Query rows per CTA of prefill on the FP8 fold path (MXFP4 keys); a value the registers do not "
-        "allow falls back to 2. Tuning (bench)."),
     # ---------------------------------------------------------------- MoE prefill (kernels_cuda/moe.py)
     "DSV4_MOE_KERNEL": Var("choice", "v4", ("v1", "v2", "v3", "v4"),
         "Grouped-GEMM kernel of `moe.cu`: `v4` = warp-specialized producer / consumer warpgroups (FP8 "
@@ -151,8 +126,9 @@ VARS: dict[str, Var] = {
         "Largest device-side split-K factor of the decode kernel (it picks the smallest power of two "
         "that fills the grid); 1 = off."),
     # ---------------------------------------------------------------- tests only
-    "DSV4_MOE_TEST_VERSIONS": Var("str", "v1,v2,v3,v4", None,
-        "Tests only: comma list of `DSV4_MOE_KERNEL` versions the GPU tests of `tests/test_moe.py` run."),
+    "DSV4_MOE_TEST_VERSIONS": Var("str", "v1,v2,v3,v4,dsl", None,
+        "Tests only: comma list of grouped-GEMM implementations the GPU tests of `tests/test_moe.py` run: "
+        "`v1`..`v4` = the cuda provider with that `DSV4_MOE_KERNEL` version, `dsl` = the CuTe DSL provider."),
     "DSV4_RESULTS_DIR": Var("str", "", None,
         "Tests only: directory where `tests/test_indexer.py` GPU gates write their measured results "
         "(JSON); empty = not written."),
@@ -258,8 +234,7 @@ Every variable is optional. Unset or empty means the default. Variables read thr
 values and the value found (flags accept exactly `0` or `1`). Most are read at each dispatch (set them
 before the call); the `DSV4_QUANT_*`, `DSV4_TOPK_APPEND` and `DSV4_COMPILE_ARCH` values are read once at
 import. Variables marked *tuning* / *bench* exist for benchmarks and never change results, except
-`DSV4_MOE_DIAG` (wrong results by design, refused without `DSV4_BENCH_DIAGNOSTICS=1`) and the inexact
-`DSV4_INDEXER_FP8_KEYS=fold|nofold` modes.
+`DSV4_MOE_DIAG` (wrong results by design, refused without `DSV4_BENCH_DIAGNOSTICS=1`).
 
 | variable | type | default | allowed | what it does |
 |---|---|---|---|---|

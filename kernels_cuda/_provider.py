@@ -43,7 +43,8 @@ class CudaProvider(Provider):
         return cuda_available()
 
     def supports(self, problem, target) -> Support:
-        return target_support(target, self.arch_requirement) or self.supports_problem(problem)
+        no = target_support(target, self.arch_requirement)   # (a Support.no is falsy: no `or` here)
+        return no if no is not None else self.supports_problem(problem)
 
     def supports_problem(self, problem) -> Support:
         return Support.yes("sm_90a")

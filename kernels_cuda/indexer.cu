@@ -3,8 +3,8 @@
 //     I[r, s] = sum_h w[r, h] * ReLU(q[r, h] . K[s])        fp32, h = 0..63, dims = 128
 //
 // Kernels
-//   indexer_quant_kernel   one warp per 128-dim row: optional Sylvester-Hadamard (FWHT,
-//                          butterflies in-thread then __shfl_xor_sync), then MXFP4 / NVFP4 /
+//   indexer_quant_kernel   one warp per 128-dim row: optional Sylvester-Hadamard (FWHT in fp64,
+//                          butterflies in-thread then __shfl_xor_sync, rounded once to bf16), then MXFP4 / NVFP4 /
 //                          FP8 quantization; writes into the paged key cache (slot_mapping,
 //                          -1 = skip) or into the query buffers (FP8: scale folded into w).
 //   indexer_logits_kernel  one warpgroup (128 threads) per CTA; CTA = NQ query rows x a chunk
@@ -19,29 +19,17 @@
 //                          x w[r,h], sum over the thread's heads, quad shuffle reduce, x the
 //                          per-key FP8 scale / NVFP4 global scales, -inf outside the row range.
 //
-//   indexer_logits_kernel, IDX_MMA8 = 1 (FP8 path; default for MXFP4 keys, opt-in for FP8 keys):
-//                          same CTA shape, wgmma m64nNk32 E4M3 x E4M3. MXFP4: E2M1 nibbles placed
-//                          as E4M3 bytes without their scale (exact), one k32 wgmma per 32-dim
-//                          UE8M0 block into a fresh accumulator, folded exactly into an FP32 sum
-//                          with 2^(e_k - 121) (q block scales ride in the q operand relative to the
-//                          head's largest block, the head exponent in w); double-buffered block
-//                          accumulators so each fold overlaps the next wgmma. FP8 keys: raw E4M3
-//                          bytes cp.async'ed straight into the swizzled A slot (no decode), per-key
-//                          scale in the epilogue; NOT exact on Hopper (FP8 accumulator ~13 bits).
-//                          Details and the exactness argument above the LogitsSmem8 struct.
-//
-// Measured (H200, 2026-11-29, docs/benchmarks.md "Lightning Indexer logits, FP8 WGMMA path"):
-//   decode B=32 x 32768 entries next_n=1 MXFP4: FP8 path 76.1 us = 21.9% of copy BW (BF16 path
-//   88.6 us, 18.8%); B=128 x 32768: 265.6 us, 25.1%; next_n=2: 13.6-14.6% (target 75%).
-//   prefill 8192 x 16384 MXFP4: BF16 path 430 TFLOP/s = 25.1% of 1716 (FP8 path 336; target 50%),
-//   so MXFP4 prefill dispatches to the BF16 path. Gate (a) max rel. err.: MXFP4 FP8 path 6.0e-7
-//   (exact, as the BF16 path); FP8 keys on the FP8 path 1.5e-4 (per-k32 promotion) / 7.1e-4 (none):
-//   not exact on Hopper, so FP8 keys default to the BF16 path.
+// The FP8-WGMMA variants of indexer_logits_kernel (per-32 exact folds, FP8 keys, cp.async.bulk
+// pages and the DEFER / SPLIT_NN / ACCBUF tuning switches) were retired on 2026-12-01: the CuTe DSL
+// kernels (kernels_dsl/indexer_paged.py, indexer_prefill.py) are faster on every measured MXFP4 /
+// FP8 shape (docs/benchmarks.md). This BF16 kernel stays for NVFP4, whose E2M1 x E4M3-scale
+// products have no exact FP8 operand; its MXFP4 / FP8 decodes (exact, BF16) remain the GPU
+// cross-check of the tests.
 //
 // Macros: IDX_FMT (0 MXFP4, 1 NVFP4, 2 FP8), IDX_NQ (1..4 query rows per CTA),
 //         IDX_PAGED (0 prefill contiguous keys, 1 decode paged cache), IDX_STAGES (cp.async ring),
-//         IDX_MMA8 (1: FP8 WGMMA path), IDX_FOLD (FP8 path: per-k32 fresh accumulators folded in
-//         FP32), IDX_ACCBUF (1 or 2 block-accumulator buffers).
+//         IDX_HADAMARD (quantizer: rotate first), IDX_MAX_CHUNK_TILES (decode: block-table
+//         entries prefetched to smem per CTA).
 #include "indexer.cuh"
 
 #ifndef IDX_FMT
@@ -58,30 +46,6 @@
 #endif
 #ifndef IDX_HADAMARD
 #define IDX_HADAMARD 0
-#endif
-#ifndef IDX_FASTDEC
-#define IDX_FASTDEC 0
-#endif
-#ifndef IDX_TUNED
-#define IDX_TUNED 0   // 1: block_table prefetch to smem + batched query loads (not yet run on the H200)
-#endif
-#ifndef IDX_MMA8
-#define IDX_MMA8 0    // 1: FP8 WGMMA path (m64nNk32 e4m3; MXFP4 / FP8 keys), see below
-#endif
-#ifndef IDX_FOLD
-#define IDX_FOLD 1    // IDX_MMA8: fresh accumulator per 32-dim block folded into an FP32 sum
-#endif
-#ifndef IDX_ACCBUF
-#define IDX_ACCBUF 2  // IDX_MMA8 + IDX_FOLD: 2 = double-buffered block accumulators, 1 = one
-#endif
-#ifndef IDX_DEFER
-#define IDX_DEFER 0   // IDX_MMA8 fold paths: run the epilogue of tile t-1 while tile t's first wgmmas fly
-#endif
-#ifndef IDX_MINB
-#define IDX_MINB 1    // IDX_MMA8: __launch_bounds__ min CTAs per SM (caps registers at 65536 / (128 x MINB))
-#endif
-#ifndef IDX_BULK
-#define IDX_BULK 0    // IDX_MMA8 MXFP4 decode: key pages by cp.async.bulk (one thread, mbarrier ring)
 #endif
 
 #if IDX_FMT == 2
@@ -151,7 +115,7 @@ DSV4_DEVICE void e4m3x8_to_bf16x8(u32 w0, u32 w1, u32 o[4]) {
   }
 }
 
-// Fast exact E2M1 -> BF16 for the WGMMA operands (IDX_FASTDEC=1). A nibble n placed as the
+// Fast exact E2M1 -> BF16 for the WGMMA operands. A nibble n placed as the
 // bf16 bit pattern (n & 8) << 12 | (n & 7) << 6 (sign, then the 3 magnitude bits as exponent
 // field bits 8:7 + mantissa bit 6) is the bf16 value E2M1(n) * 2^-126 exactly (code 1 is the
 // bf16 subnormal 2^-127 = 0.5 * 2^-126; codes 2..7 are normals 2^(E-127)(1 + m/2)); one exact
@@ -190,11 +154,7 @@ DSV4_DEVICE void decode_half(const u32* vw, const u8* sc, u32 tile, int rows, in
 #if IDX_FMT == 2
     e4m3x8_to_bf16x8(vw[2 * c], vw[2 * c + 1], o);
 #else
-#if IDX_FASTDEC
     e2m1x8_to_bf16x8_perm(vw[c], o);
-#else
-    e2m1x8_to_bf16x8(vw[c], o);
-#endif
 #if IDX_FMT == 0
     const u32 sb = ue8m0_to_bf16_bits(sc[c >> 2]);
 #else
@@ -211,19 +171,17 @@ DSV4_DEVICE void decode_half(const u32* vw, const u8* sc, u32 tile, int rows, in
 
 // ---------------------------------------------------------------------------------------
 // logits (BF16 path)
-#if !IDX_MMA8
 struct __align__(1024) LogitsSmem {
   u8 q[2 * IDX_N * 128];               // B operand: N rows x 128 dims bf16, SW128
   u8 k[2][2 * IDX_TILE * 128];         // A operand: 64 keys x 128 dims bf16, SW128, double buffer
   u8 raw[IDX_STAGES][IDX_RAW_BYTES];   // raw key bytes: 64 x VB values, then 64 x SB scales
   float w[IDX_NQ][64];                 // head weights of the CTA's query rows
   float kscale[2][IDX_TILE];           // FP8: per-key fp32 scale of the tile in k[buf]
-#if IDX_PAGED && IDX_TUNED
+#if IDX_PAGED
   i32 pages[IDX_MAX_CHUNK_TILES];      // page of each tile of the CTA's chunk (block_table prefetch)
 #endif
 };
 
-#endif  // !IDX_MMA8
 
 // Issue the cp.async copies of one 64-key tile (rows >= nvalid are zero-filled, never read).
 DSV4_DEVICE void load_tile_async(u32 raw, const u8* vals, const u8* sfs, int nvalid, int tid) {
@@ -243,7 +201,6 @@ DSV4_DEVICE void load_tile_async(u32 raw, const u8* vals, const u8* sfs, int nva
   }
 }
 
-#if !IDX_MMA8
 // Decode a landed raw tile into a bf16 SW128 A tile: thread = (key tid/2, half tid%2).
 DSV4_DEVICE void decode_tile(const u8* raw_p, u32 raw, u32 ktile, float* kscale, int tid) {
   const int r = tid >> 1, half = tid & 1;
@@ -268,7 +225,6 @@ DSV4_DEVICE void decode_tile(const u8* raw_p, u32 raw, u32 ktile, float* kscale,
 #endif
 }
 
-#endif  // !IDX_MMA8
 
 // Register fence on the accumulators (CUTLASS warpgroup_fence_operand): keeps the compiler
 // from moving accumulator reads/writes across the asynchronous WGMMA issue / wait.
@@ -277,7 +233,6 @@ DSV4_DEVICE void fence_acc(float* acc) {
   for (int i = 0; i < IDX_N / 2; ++i) asm volatile("" : "+f"(acc[i]) :: "memory");
 }
 
-#if !IDX_MMA8
 DSV4_DEVICE void mma_tile(float* acc, u32 ktile, u32 qtile) {
   fence_acc(acc);
   wgmma_fence();
@@ -385,14 +340,8 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
 #endif
   };
   auto tile_ptrs = [&](int s0, const u8*& vals, const u8*& sfs) {
-#if IDX_PAGED && IDX_TUNED
+#if IDX_PAGED
     const i64 page = (i64)sm.pages[(s0 - p0) >> 6];
-    const u8* base = k_data + ((u64)page < (u64)num_blocks ? page : 0) * block_size * IDX_BPT;
-    const int off = s0 % block_size;
-    vals = base + (i64)off * IDX_VB;
-    sfs = base + (i64)block_size * IDX_VB + (i64)off * IDX_SB;
-#elif IDX_PAGED
-    const i64 page = (i64)__ldg(btab + s0 / block_size);
     const u8* base = k_data + ((u64)page < (u64)num_blocks ? page : 0) * block_size * IDX_BPT;
     const int off = s0 % block_size;
     vals = base + (i64)off * IDX_VB;
@@ -411,14 +360,13 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
     }
     cp_async_commit();
   };
-#if IDX_PAGED && IDX_TUNED
+#if IDX_PAGED
   for (int t = tid; t < ntiles; t += 128) sm.pages[t] = __ldg(btab + (p0 + t * 64) / block_size);
   __syncthreads();
 #endif
 #pragma unroll
   for (int t = 0; t < IDX_STAGES; ++t) issue(t);
 
-#if IDX_TUNED
   // queries -> bf16 SW128 B tile (exact), weights -> smem. Thread tid owns the NQ tasks
   // (row n = tid/2 + 64*i, half tid%2); all global loads are issued before any decode.
   {
@@ -453,41 +401,6 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
       }
     }
   }
-#else
-  // queries -> bf16 SW128 B tile (exact), weights -> smem
-  for (int task = tid; task < IDX_N * 2; task += 128) {
-    const int n = task >> 1, half = task & 1;
-    const int qi = n >> 6, h = n & 63;
-    const int r = row0 + qi;
-    if (r < R) {
-#if IDX_FMT == 2
-      u32 vw[16];
-      const u8* src = q_data + ((i64)r * 64 + h) * IDX_VB + half * 64;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const u32x4 v = ld_global_nc_v4(src + i * 16);
-        vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
-      }
-      decode_half(vw, nullptr, q_s, IDX_N, n, half);
-#else
-      u32 vw[8];
-      const u8* src = q_data + ((i64)r * 64 + h) * IDX_VB + half * 32;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const u32x4 v = ld_global_nc_v4(src + i * 16);
-        vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
-      }
-      u8 sc[4];
-#pragma unroll
-      for (int i = 0; i < IDX_SB / 2; ++i) sc[i] = __ldg(q_sf + ((i64)r * 64 + h) * IDX_SB + half * (IDX_SB / 2) + i);
-      decode_half(vw, sc, q_s, IDX_N, n, half);
-#endif
-    } else {
-#pragma unroll
-      for (int c = 0; c < 8; ++c) st_shared_v4(sw128_addr(q_s, IDX_N, n, half, c), 0u, 0u, 0u, 0u);
-    }
-  }
-#endif
   for (int i = tid; i < IDX_NQ * 64; i += 128) {
     const int r = row0 + i / 64;
     sm.w[i / 64][i % 64] = r < R ? __ldg(w + (i64)r * 64 + (i % 64)) : 0.f;
@@ -560,547 +473,39 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
   cp_async_wait<0>();
 }
 
-#endif  // !IDX_MMA8
-
-// ---------------------------------------------------------------------------------------
-// FP8 WGMMA logits (IDX_MMA8 = 1; IDX_FMT 0 = MXFP4 or 2 = FP8; NVFP4 stays on the BF16 path:
-// E2M1 x E4M3 block scales are not exact in E4M3).
-//
-// MXFP4 (IDX_FOLD = 1 always). Key nibbles are placed as E4M3 bytes WITHOUT their scale:
-//   byte = sign << 7 | code << 2  ==  E2M1(code) * 2^-6 exactly (code 1 is the E4M3 subnormal
-//   2^-6 * 4/8; codes 2..7 are normals 2^(e-7)(1 + m/8) with e = code >> 1, m = (code & 1) << 2);
-// low nibbles of a word go to one output word, high nibbles to the next, so the 8 dims of a word
-// sit in the order [0, 2, 4, 6, 1, 3, 5, 7] -- inside the same 32-dim block, and q uses the same
-// order (a permutation of the reduction dim inside a block leaves every block dot product
-// unchanged). Queries: head h, 32-dim block b with UE8M0 exponent e_q[h,b]; E_h = max_b e_q[h,b];
-// the B operand holds E2M1 * 2^(e_q[h,b] - E_h + 6) (cvt.rn.satfinite.e4m3x2: exact whenever
-// e_q[h,b] >= E_h - 14, i.e. unless one block of a head is 2^14 smaller than its largest block;
-// such blocks are rounded to E4M3 -- documented, measured by gate (a)), and 2^(E_h - 127 - 6) is
-// folded into w (ReLU(c x) = c ReLU(x) for c > 0). Then for each 32-dim block b one
-// wgmma m64nNk32 e4m3 into a FRESH accumulator gives exactly
-//   acc_b[s, h] = sum_{d in b} E2M1_q * E2M1_k * 2^(e_q[h,b] - E_h)
-// (the products of one block share one power of two; a sum of 32 E2M1 x E2M1 products is a
-// multiple of 1/4 with magnitude <= 1152 < 2^13 quarters, so it is exact even in Hopper's
-// FP8 accumulator, which keeps 13 mantissa bits), and the running FP32 sum takes
-//   sum += acc_b * 2^(e_k[s,b] - 121)           (-121 = -127 + 6 undoes the key's 2^-6; exact)
-// The block accumulators are double-buffered (IDX_ACCBUF = 2): the fold of block b overlaps the
-// wgmma of block b + 1, and the decode of the next key tile overlaps the first two wgmmas.
-//
-// FP8 keys: the raw E4M3 key bytes are the A operand (cp.async writes them straight into the
-// 128B-swizzled ring slot, no decode); queries are raw E4M3 (their scale is folded into w);
-// the per-key FP32 scale multiplies the head sum in the epilogue. IDX_FOLD = 0: one accumulator
-// over the 4 k32 steps (Hopper's FP8 accumulation keeps ~13 mantissa bits); IDX_FOLD = 1:
-// promotion per k32 (fresh accumulator per 32 dims, summed in FP32).
-#if IDX_MMA8
-#if IDX_FMT == 1
-#error "IDX_MMA8: NVFP4 runs on the BF16 path"
-#endif
-#if IDX_FMT == 0 && !IDX_FOLD
-#error "IDX_MMA8: MXFP4 needs IDX_FOLD = 1 (per-block scales)"
-#endif
-#if IDX_BULK && !(IDX_FMT == 0 && IDX_PAGED)
-#error "IDX_BULK: MXFP4 paged decode only (whole pages; prefill tails are not 16-byte multiples)"
-#endif
-
-struct __align__(1024) LogitsSmem8 {
-  u8 q[IDX_N * 128];                         // B operand: N rows x 128 E4M3, SW128
-#if IDX_FMT == 0
-  u8 k[2][IDX_TILE * 128];                   // A operand: decoded E4M3 key tile, double buffer
-  u8 raw[IDX_STAGES][IDX_TILE * IDX_BPT];    // raw ring: 64 x 64 B E2M1, then 64 x 4 UE8M0
-  float4 kscl[2][IDX_TILE];                  // 2^(e_k[s,b] - 121), b = 0..3, of each key of k[buf]
-#else
-  u8 k[IDX_STAGES][IDX_TILE * 128];          // A operand = the cp.async ring (raw E4M3, SW128)
-  float kscale[IDX_STAGES][IDX_TILE];        // per-key fp32 scale of ring slot
-#endif
-  float w[IDX_NQ][64];                       // head weights (MXFP4: x 2^(E_h - 133))
-#if IDX_PAGED && IDX_TUNED
-  i32 pages[IDX_MAX_CHUNK_TILES];
-#endif
-#if IDX_BULK
-  u64 bar[IDX_STAGES];                       // mbarrier per raw ring slot (bulk copies complete_tx)
-#endif
-};
-
-// mbarrier + bulk copy (sm_90): one thread arms a slot with the byte count and issues the copies;
-// every consumer waits on the slot's phase parity (use k of slot st has parity k & 1).
-DSV4_DEVICE void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-DSV4_DEVICE void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-DSV4_DEVICE void mbar_wait(u32 bar, u32 parity) {
-  asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-               "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" :: "r"(bar), "r"(parity) : "memory");
-}
-DSV4_DEVICE void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-// 2^(e - 121) for a UE8M0 key exponent byte e (e <= 248; 2^-121 .. 2^127, always normal)
-DSV4_DEVICE float kexp_scale(u32 word, int b) {
-  const u32 e = min(((word >> (8 * b)) & 0xFFu) + 6u, 254u);
-  return __uint_as_float(e << 23);
-}
-DSV4_DEVICE float f4_get(const float4& v, int b) { return b == 0 ? v.x : (b == 1 ? v.y : (b == 2 ? v.z : v.w)); }
-
-// E2M1 nibbles -> E4M3 bytes of E2M1 * 2^-6 (bit placement, see above): low / high nibbles
-DSV4_DEVICE u32 e2m1x4_lo_to_e4m3(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
-DSV4_DEVICE u32 e2m1x4_hi_to_e4m3(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
-
-// 16-byte chunk c (0..7) of row r of a 128-byte-row SW128 tile
-DSV4_DEVICE u32 sw128_row_chunk(u32 base, int r, int c) { return base + (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
-
-// FP8 keys: cp.async one 64-key tile straight into the swizzled A slot + its 64 fp32 scales.
-DSV4_DEVICE void load_tile_fp8_async(u32 kt, u32 ks, const u8* vals, const u8* sfs, int nvalid, int tid) {
-#pragma unroll
-  for (int i = tid; i < IDX_TILE * 8; i += 128) {
-    const int key = i >> 3, c = i & 7;
-    cp_async16(sw128_row_chunk(kt, key, c), vals + i * 16, key < nvalid ? 16 : 0);
-  }
-  if (tid < IDX_TILE * 4 / 16) {
-    int nb = (nvalid - tid * 4) * 4;
-    nb = nb < 0 ? 0 : (nb > 16 ? 16 : nb);
-    cp_async16(ks + tid * 16, sfs + tid * 16, nb);
-  }
-}
-
-// MXFP4 keys: landed raw tile -> E4M3 A tile (thread = key tid/2, 64-dim half tid%2) + the fold
-// factors 2^(e_k - 121) of the key's 4 blocks
-DSV4_DEVICE void decode_tile_e4m3(const u8* raw_p, u32 raw, u32 ktile, float4* kscl, int tid) {
-  const int r = tid >> 1, h = tid & 1;
-  u32 vw[8];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const u32x4 v = ld_shared_v4(raw + r * 64 + h * 32 + i * 16);
-    vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-    st_shared_v4(sw128_row_chunk(ktile, r, 4 * h + k), e2m1x4_lo_to_e4m3(vw[2 * k]), e2m1x4_hi_to_e4m3(vw[2 * k]),
-                 e2m1x4_lo_to_e4m3(vw[2 * k + 1]), e2m1x4_hi_to_e4m3(vw[2 * k + 1]));
-  if (h == 0) {
-    const u32 e = *reinterpret_cast<const u32*>(raw_p + IDX_TILE * 64 + r * 4);
-    kscl[r] = make_float4(kexp_scale(e, 0), kexp_scale(e, 1), kexp_scale(e, 2), kexp_scale(e, 3));
-  }
-}
-
-DSV4_DEVICE void mma8(float* acc, u32 ktile, u32 qtile, int b, int accumulate) {
-  const u64 da = make_desc_sw128(ktile + b * 32);
-  const u64 db = make_desc_sw128(qtile + b * 32);
-#if IDX_NQ == 1
-  wgmma_m64n64k32_e4m3(acc, da, db, accumulate);
-#elif IDX_NQ == 2
-  wgmma_m64n128k32_e4m3(acc, da, db, accumulate);
-#elif IDX_NQ == 3
-  wgmma_m64n192k32_e4m3(acc, da, db, accumulate);
-#else
-  wgmma_m64n256k32_e4m3(acc, da, db, accumulate);
-#endif
-}
-
-// sum (+)= acc * s (s0 for fragment row rA, s1 for rA + 8)
-DSV4_DEVICE void fold_acc(float* sum, const float* acc, float s0, float s1, bool first) {
-#pragma unroll
-  for (int j = 0; j < IDX_N / 8; ++j) {
-    if (first) {
-      sum[4 * j] = acc[4 * j] * s0; sum[4 * j + 1] = acc[4 * j + 1] * s0;
-      sum[4 * j + 2] = acc[4 * j + 2] * s1; sum[4 * j + 3] = acc[4 * j + 3] * s1;
-    } else {
-      sum[4 * j] = fmaf(acc[4 * j], s0, sum[4 * j]); sum[4 * j + 1] = fmaf(acc[4 * j + 1], s0, sum[4 * j + 1]);
-      sum[4 * j + 2] = fmaf(acc[4 * j + 2], s1, sum[4 * j + 2]); sum[4 * j + 3] = fmaf(acc[4 * j + 3], s1, sum[4 * j + 3]);
-    }
-  }
-}
-DSV4_DEVICE void fold_add(float* sum, const float* acc, bool first) {
-#pragma unroll
-  for (int i = 0; i < IDX_N / 2; ++i) sum[i] = first ? acc[i] : sum[i] + acc[i];
-}
-extern "C" __global__ void __launch_bounds__(128, IDX_MINB) indexer_logits_kernel(
-    const u8* __restrict__ q_data, const u8* __restrict__ q_sf, const float* __restrict__ w,
-    const float* __restrict__ q_gs, const float* __restrict__ k_gs, const u8* __restrict__ k_data,
-    const u8* __restrict__ k_sf, const i32* __restrict__ range_lo, const i32* __restrict__ range_hi,
-    float* __restrict__ logits, i32 R, i32 n_keys, i64 ld, i32 chunk_tiles, i32 block_size, i32 max_blocks,
-    i32 rows_per_seq,    // paged: query rows per sequence (next_n); IDX_NQ divides it (NQ < next_n: the
-                         // rows of one sequence are split over adjacent CTAs that share its pages via L2)
-    i32 num_blocks) {    // paged: invalid block_table entries -> block 0 loaded, keys -inf (as above)
-  extern __shared__ __align__(1024) u8 smem_raw[];
-  LogitsSmem8& sm = *reinterpret_cast<LogitsSmem8*>(
-      (reinterpret_cast<unsigned long long>(smem_raw) + 1023ull) & ~1023ull);
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31;
-  const int row0 = blockIdx.x * IDX_NQ;
-  const int c0 = blockIdx.y * chunk_tiles * IDX_TILE;
-  const int c1 = min(n_keys, c0 + chunk_tiles * IDX_TILE);
-  if (c0 >= n_keys) return;
-
-  int lo[IDX_NQ], hi[IDX_NQ];
-  int kmin = 0x7fffffff, kmax = 0;
-#pragma unroll
-  for (int qi = 0; qi < IDX_NQ; ++qi) {
-    const int r = row0 + qi;
-    int a = 0, b = 0;
-    if (r < R) {
-#if IDX_PAGED
-      b = __ldg(range_lo + r);
-#else
-      a = __ldg(range_lo + r);
-      b = __ldg(range_hi + r);
-#endif
-      a = max(a, 0);
-      b = min(b, n_keys);
-      if (b < a) b = a;
-    }
-    lo[qi] = a; hi[qi] = b;
-    if (b > a) { kmin = min(kmin, a); kmax = max(kmax, b); }
-  }
-  int p0 = max(c0, kmin & ~63), p1 = min(c1, kmax);
-  if (p1 <= p0) { p0 = c0; p1 = c0; }
-  const int ntiles = (p1 - p0 + 63) >> 6;
-  const int p1a = min(c1, p0 + ntiles * 64);
-#pragma unroll
-  for (int qi = 0; qi < IDX_NQ; ++qi) {
-    const int r = row0 + qi;
-    if (r >= R) continue;
-    float* out = logits + (i64)r * ld;
-    for (int s = c0 + tid; s < p0; s += 128) out[s] = NEG_INF;
-    for (int s = p1a + tid; s < c1; s += 128) out[s] = NEG_INF;
-  }
-  if (ntiles == 0) return;
-
-  const u32 q_s = smem_u32(sm.q);
-#if IDX_PAGED
-  const i32* btab = range_hi + (i64)(row0 / rows_per_seq) * max_blocks;
-#endif
-  auto page_ok = [&](int s) -> bool {  // key s lies in a valid page (paged); always true for prefill
-#if IDX_PAGED
-    return (u32)__ldg(btab + s / block_size) < (u32)num_blocks;
-#else
-    return s >= 0;
-#endif
-  };
-  auto tile_ptrs = [&](int s0, const u8*& vals, const u8*& sfs) {
-#if IDX_PAGED
-#if IDX_TUNED
-    const i64 page = (i64)sm.pages[(s0 - p0) >> 6];
-#else
-    const i64 page = (i64)__ldg(btab + s0 / block_size);
-#endif
-    const u8* base = k_data + ((u64)page < (u64)num_blocks ? page : 0) * block_size * IDX_BPT;
-    const int off = s0 % block_size;
-    vals = base + (i64)off * IDX_VB;
-    sfs = base + (i64)block_size * IDX_VB + (i64)off * IDX_SB;
-#else
-    vals = k_data + (i64)s0 * IDX_VB;
-    sfs = k_sf + (i64)s0 * IDX_SB;
-#endif
-  };
-  auto issue = [&](int t) {
-    if (t < ntiles) {
-      const int s0 = p0 + t * 64;
-      const u8 *vals, *sfs;
-      tile_ptrs(s0, vals, sfs);
-      const int st = t % IDX_STAGES;
-#if IDX_BULK
-      // whole 64-key page slice: values (4096 B) + UE8M0 bytes (256 B); rows past the sequence
-      // end are garbage but never leave their own rows (masked in the epilogue)
-      const u32 bar = smem_u32(&sm.bar[st]);
-      mbar_expect_tx(bar, IDX_TILE * IDX_BPT);
-      bulk_g2s(smem_u32(sm.raw[st]), vals, IDX_TILE * IDX_VB, bar);
-      bulk_g2s(smem_u32(sm.raw[st]) + IDX_TILE * IDX_VB, sfs, IDX_TILE * IDX_SB, bar);
-#elif IDX_FMT == 0
-      load_tile_async(smem_u32(sm.raw[st]), vals, sfs, min(64, kmax - s0), tid);
-#else
-      load_tile_fp8_async(smem_u32(sm.k[st]), smem_u32(sm.kscale[st]), vals, sfs, min(64, kmax - s0), tid);
-#endif
-    }
-#if !IDX_BULK
-    cp_async_commit();
-#endif
-  };
-#if IDX_BULK
-  auto issue_bulk = [&](int t) { if (tid == 0) issue(t); };
-  auto wait_tile = [&](int t) { mbar_wait(smem_u32(&sm.bar[t % IDX_STAGES]), (u32)((t / IDX_STAGES) & 1)); };
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < IDX_STAGES; ++i) mbar_init(smem_u32(&sm.bar[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-#define IDX_ISSUE(t) issue_bulk(t)
-#else
-#define IDX_ISSUE(t) issue(t)
-#endif
-#if IDX_PAGED && IDX_TUNED
-  for (int t = tid; t < ntiles; t += 128) sm.pages[t] = __ldg(btab + (p0 + t * 64) / block_size);
-#endif
-#if (IDX_PAGED && IDX_TUNED) || IDX_BULK
-  __syncthreads();
-#endif
-#pragma unroll
-  for (int t = 0; t < IDX_STAGES; ++t) IDX_ISSUE(t);
-
-  // queries -> E4M3 SW128 B tile, weights -> smem. Task = (row n, 64-dim half).
-  for (int task = tid; task < IDX_N * 2; task += 128) {
-    const int n = task >> 1, half = task & 1;
-    const int qi = n >> 6, h = n & 63;
-    const int r = row0 + qi;
-    u32 o[16];
-    if (r < R) {
-#if IDX_FMT == 0
-      u32 vw[8];
-      const u8* src = q_data + ((i64)r * 64 + h) * 64 + half * 32;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const u32x4 v = ld_global_nc_v4(src + i * 16);
-        vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
-      }
-      const u8* qsp = q_sf + ((i64)r * 64 + h) * 4;
-      const u32 sc4 = (u32)__ldg(qsp) | ((u32)__ldg(qsp + 1) << 8) | ((u32)__ldg(qsp + 2) << 16) | ((u32)__ldg(qsp + 3) << 24);
-      const u32 eh = max(max(sc4 & 0xFFu, (sc4 >> 8) & 0xFFu), max((sc4 >> 16) & 0xFFu, sc4 >> 24));
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const int k = (int)((sc4 >> (8 * (2 * half + (c >> 2)))) & 0xFFu) - (int)eh + 6;   // <= 6
-        const float f = k < -126 ? 0.f : __uint_as_float((u32)(k + 127) << 23);
-        u32 bf[4];
-        e2m1x8_to_bf16x8(vw[c], bf);   // bf[j] = {e_2j, e_2j+1} (prmt LUT)
-        o[2 * c] = f32x2_to_e4m3x2(bf16_lo_to_f32(bf[0]) * f, bf16_lo_to_f32(bf[1]) * f) |
-                   (f32x2_to_e4m3x2(bf16_lo_to_f32(bf[2]) * f, bf16_lo_to_f32(bf[3]) * f) << 16);
-        o[2 * c + 1] = f32x2_to_e4m3x2(bf16_hi_to_f32(bf[0]) * f, bf16_hi_to_f32(bf[1]) * f) |
-                       (f32x2_to_e4m3x2(bf16_hi_to_f32(bf[2]) * f, bf16_hi_to_f32(bf[3]) * f) << 16);
-      }
-      // w x 2^(E_h - 127) x 2^-6 (undoes the +6 of the q operand); exact powers of two
-      if (half == 0) sm.w[qi][h] = __ldg(w + (i64)r * 64 + h) * ue8m0_to_f32(eh) * 0.015625f;
-#else
-      const u8* src = q_data + ((i64)r * 64 + h) * 128 + half * 64;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const u32x4 v = ld_global_nc_v4(src + i * 16);
-        o[4 * i] = v.x; o[4 * i + 1] = v.y; o[4 * i + 2] = v.z; o[4 * i + 3] = v.w;
-      }
-      if (half == 0) sm.w[qi][h] = __ldg(w + (i64)r * 64 + h);
-#endif
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) o[i] = 0u;
-      if (half == 0) sm.w[qi][h] = 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      st_shared_v4(sw128_row_chunk(q_s, n, 4 * half + k), o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
-  }
-  fence_proxy_async_smem();
-
-#if IDX_FMT == 0
-  const u32 k_s0 = smem_u32(sm.k[0]);   // k[1] = k_s0 + 8192
-#if IDX_BULK
-  wait_tile(0);
-#else
-  cp_async_wait<IDX_STAGES - 1>();
-  __syncthreads();
-#endif
-  decode_tile_e4m3(sm.raw[0], smem_u32(sm.raw[0]), k_s0, sm.kscl[0], tid);
-  fence_proxy_async_smem();
-  __syncthreads();
-  IDX_ISSUE(IDX_STAGES);
-#endif
-
-  const int rA = warp * 16 + (lane >> 2);  // key rows rA, rA + 8 of the tile
-  const int hc = 2 * (lane & 3);
-#if IDX_FOLD
-  float sum[IDX_N / 2];
-  float accA[IDX_N / 2];
-#if IDX_ACCBUF == 2
-  float accB[IDX_N / 2];
-#endif
-#else
-  float accA[IDX_N / 2];
-  float* sum = accA;
-#endif
-#pragma unroll
-  for (int i = 0; i < IDX_N / 2; ++i) accA[i] = 0.f;
-#if IDX_FOLD && IDX_ACCBUF == 2
-#pragma unroll
-  for (int i = 0; i < IDX_N / 2; ++i) accB[i] = 0.f;
-#endif
-
-  // epilogue of tile tt from `sum` (a lambda: on the fold paths it runs one tile late, while
-  // the first wgmmas of the next tile are in flight)
-  auto epilogue = [&](int tt, float ksc0, float ksc1) {
-    // epilogue: ReLU, x w, sum over the thread's heads (4 independent FMA chains), quad reduce,
-    // (FP8: x per-key scale)
-    const int s0 = p0 + tt * 64;
-#pragma unroll
-    for (int qi = 0; qi < IDX_NQ; ++qi) {
-      float v0 = 0.f, v1 = 0.f, u0 = 0.f, u1 = 0.f;
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = qi * 8 + jj;
-        const float2 wv = *reinterpret_cast<const float2*>(&sm.w[qi][8 * jj + hc]);
-        v0 = fmaf(wv.x, fmaxf(sum[4 * j + 0], 0.f), v0);
-        u0 = fmaf(wv.y, fmaxf(sum[4 * j + 1], 0.f), u0);
-        v1 = fmaf(wv.x, fmaxf(sum[4 * j + 2], 0.f), v1);
-        u1 = fmaf(wv.y, fmaxf(sum[4 * j + 3], 0.f), u1);
-      }
-      v0 += u0;
-      v1 += u1;
-      v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
-      v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
-      v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
-      v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
-      const int r = row0 + qi;
-      const int q4 = lane & 3;
-      if (r < R && q4 < 2) {
-        const int s = s0 + rA + 8 * q4;
-#if IDX_FMT == 2
-        const float v = q4 == 0 ? v0 * ksc0 : v1 * ksc1;
-#else
-        const float v = q4 == 0 ? v0 : v1;
-#endif
-        if (s < c1) logits[(i64)r * ld + s] = (s >= lo[qi] && s < hi[qi] && page_ok(s)) ? v : NEG_INF;
-      }
-    }
-  };
-  float ksc_prev0 = 1.f, ksc_prev1 = 1.f;   // FP8 fold path: per-key scales of the deferred tile
-  for (int t = 0; t < ntiles; ++t) {
-#if IDX_FMT == 0
-    const u32 kb = k_s0 + (u32)((t & 1) * IDX_TILE * 128);
-    const float4 ksA = sm.kscl[t & 1][rA], ksB = sm.kscl[t & 1][rA + 8];
-    // next tile: wait for its bytes, decode it into the other buffer (overlaps the wgmmas)
-#if IDX_BULK
-#define IDX_WAIT_NEXT() wait_tile(t + 1);
-#else
-#define IDX_WAIT_NEXT() cp_async_wait<IDX_STAGES - 1>(); __syncthreads();
-#endif
-#define IDX_NEXT_TILE()                                                                        \
-    if (t + 1 < ntiles) {                                                                      \
-      IDX_WAIT_NEXT()                                                                          \
-      const int st = (t + 1) % IDX_STAGES;                                                     \
-      decode_tile_e4m3(sm.raw[st], smem_u32(sm.raw[st]), k_s0 + (u32)(((t + 1) & 1) * IDX_TILE * 128), \
-                       sm.kscl[(t + 1) & 1], tid);                                             \
-      fence_proxy_async_smem();                                                                \
-      __syncthreads();                                                                         \
-      IDX_ISSUE(t + 1 + IDX_STAGES);                                                           \
-    }
-#define IDX_SCALES(b) f4_get(ksA, b), f4_get(ksB, b)
-#else
-    const int stg = t % IDX_STAGES;
-    const u32 kb = smem_u32(sm.k[stg]);
-    cp_async_wait<IDX_STAGES - 1>();
-    fence_proxy_async_smem();
-    __syncthreads();
-    const float kscale0 = sm.kscale[stg][rA], kscale1 = sm.kscale[stg][rA + 8];
-#define IDX_NEXT_TILE()
-#endif
-
-#if IDX_FOLD && IDX_ACCBUF == 2
-    fence_acc(accA); fence_acc(accB);
-    wgmma_fence();
-    mma8(accA, kb, q_s, 0, 0);
-    wgmma_commit();
-    mma8(accB, kb, q_s, 1, 0);
-    wgmma_commit();
-    IDX_NEXT_TILE()
-#if IDX_DEFER
-    if (t > 0) epilogue(t - 1, ksc_prev0, ksc_prev1);
-#endif
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      float* acc = (b & 1) ? accB : accA;
-      if (b < 3) wgmma_wait<1>(); else wgmma_wait<0>();
-      fence_acc(acc);
-#if IDX_FMT == 0
-      fold_acc(sum, acc, IDX_SCALES(b), b == 0);
-#else
-      fold_add(sum, acc, b == 0);
-#endif
-      if (b < 2) {
-        fence_acc(acc);
-        wgmma_fence();
-        mma8(acc, kb, q_s, b + 2, 0);
-        wgmma_commit();
-      }
-    }
-#elif IDX_FOLD
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      fence_acc(accA);
-      wgmma_fence();
-      mma8(accA, kb, q_s, b, 0);
-      wgmma_commit();
-      if (b == 0) {
-        IDX_NEXT_TILE()
-#if IDX_DEFER
-        if (t > 0) epilogue(t - 1, ksc_prev0, ksc_prev1);
-#endif
-      }
-      wgmma_wait<0>();
-      fence_acc(accA);
-#if IDX_FMT == 0
-      fold_acc(sum, accA, IDX_SCALES(b), b == 0);
-#else
-      fold_add(sum, accA, b == 0);
-#endif
-    }
-#else
-    fence_acc(accA);
-    wgmma_fence();
-#pragma unroll
-    for (int b = 0; b < 4; ++b) mma8(accA, kb, q_s, b, b > 0);
-    wgmma_commit();
-    IDX_NEXT_TILE()
-    wgmma_wait<0>();
-    fence_acc(accA);
-#endif
-#undef IDX_NEXT_TILE
-#undef IDX_SCALES
-#undef IDX_WAIT_NEXT
-#if IDX_FMT == 2
-    __syncthreads();              // every warp's wgmmas are done with ring slot stg
-    IDX_ISSUE(t + IDX_STAGES);
-#endif
-#if IDX_FOLD && IDX_DEFER
-#if IDX_FMT == 2
-    ksc_prev0 = kscale0; ksc_prev1 = kscale1;
-#endif
-  }
-  if (ntiles > 0) epilogue(ntiles - 1, ksc_prev0, ksc_prev1);
-#else
-#if IDX_FMT == 2
-    epilogue(t, kscale0, kscale1);
-#else
-    epilogue(t, 1.f, 1.f);
-#endif
-  }
-#endif
-  cp_async_wait<0>();
-}
-#undef IDX_ISSUE
-#endif  // IDX_MMA8
 
 // ---------------------------------------------------------------------------------------
 // quantization (cache writer / query quantizer): one warp per 128-dim row; lane l holds
 // dims 4l..4l+3.
 //
-// Hadamard: y = H_128 x * 128^-0.5, H Sylvester (H[i][j] = (-1)^popcount(i & j)), computed
-// as 7 butterfly stages in fp32, bit 0 first: (a, b) -> (a + b, a - b) for the pair
-// (i, i | 2^k); the torch reference does the same operations in the same order (bit-exact).
+// Hadamard (DSV4 rotate_activation, dsv4/reference/hadamard.py rotate_activation_ref):
+// y = bf16(H_128 x * 128^-0.5), H Sylvester (H[i][j] = (-1)^popcount(i & j)). The 7 butterfly
+// stages run in fp64 (exact: sums of 128 bf16 values), one fp64 multiply by fp64(128^-0.5), then
+// ONE correct rounding fp64 -> bf16 (bf16r_f64); v[] returns the bf16 values as fp32.
+DSV4_DEVICE float bf16r_f64(double x) {
+  // f = fp32_rn(x); a double rounding happens only when f sits exactly on a bf16 midpoint
+  // (low 16 bits 0x8000) while x != f: move f one ulp towards x first, then round to bf16.
+  const float f = __double2float_rn(x);
+  u32 b = __float_as_uint(f);
+  if ((b & 0xFFFFu) == 0x8000u && (double)f != x) b = fabs(x) > fabs((double)f) ? b + 1u : b - 1u;
+  return bf16_lo_to_f32(pack_bf16x2(__uint_as_float(b), 0.f));
+}
 DSV4_DEVICE void fwht128(float v[4], int lane) {
-  float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
-  v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
+  double d[4] = {(double)v[0], (double)v[1], (double)v[2], (double)v[3]};
+  const double a0 = d[0] + d[1], a1 = d[0] - d[1], a2 = d[2] + d[3], a3 = d[2] - d[3];
+  d[0] = a0 + a2; d[2] = a0 - a2; d[1] = a1 + a3; d[3] = a1 - a3;
 #pragma unroll
   for (int b = 0; b < 5; ++b) {
     const bool upper = (lane >> b) & 1;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float p = __shfl_xor_sync(0xffffffffu, v[i], 1 << b);
-      v[i] = upper ? (p - v[i]) : (v[i] + p);
+      const double p = __shfl_xor_sync(0xffffffffu, d[i], 1 << b);
+      d[i] = upper ? (p - d[i]) : (d[i] + p);
     }
   }
-  const float s = 0.08838834764831845f;  // 128^-0.5 (fp32)
+  const double s = 0.08838834764831845;  // fp64(128^-0.5)
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] *= s;
+  for (int i = 0; i < 4; ++i) v[i] = bf16r_f64(d[i] * s);
 }
 
 // E2M1 round-to-nearest-even code (bit 3 = sign) of x (already divided by its scale);

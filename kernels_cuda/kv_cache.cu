@@ -429,9 +429,7 @@ DSV4_DEVICE void kvc_finish(const KvcPool& p, bool active, int t, float* red, co
   }
 #endif
 #else   // D == 128: indexer key: Hadamard, bf16, MXFP4 (block 32 = 8 lanes)
-  kvc_fwht128(y, lane);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) y[k] = kvc_bf16r(y[k]);
+  kvc_fwht128(y, lane);   // rotate_activation: bf16 in, bf16 out (one correct rounding)
   float amax = fmaxf(fmaxf(kvc_finite_abs(y[0]), kvc_finite_abs(y[1])), fmaxf(kvc_finite_abs(y[2]), kvc_finite_abs(y[3])));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 2));

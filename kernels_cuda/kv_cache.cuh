@@ -135,22 +135,30 @@ DSV4_DEVICE void kvc_merge(float& m, float& l, float& a, float m2, float l2, flo
   m = mn;
 }
 
-// Sylvester-Hadamard over 128 dims held by one warp (lane l: dims 4l..4l+3), fp32
-// butterflies bit 0 first, then x fp32(128^-0.5) (dsv4/reference/hadamard.py, same order as
-// indexer.cu fwht128).
+// Sylvester-Hadamard over 128 dims held by one warp (lane l: dims 4l..4l+3) = DSV4
+// rotate_activation (dsv4/reference/hadamard.py rotate_activation_ref; same as indexer.cu
+// fwht128): fp64 butterflies (exact sums of bf16 inputs), x fp64(128^-0.5), ONE correct
+// rounding fp64 -> bf16; v[] returns the bf16 values as fp32.
+DSV4_DEVICE float kvc_bf16r_f64(double x) {
+  const float f = __double2float_rn(x);
+  u32 b = __float_as_uint(f);
+  if ((b & 0xFFFFu) == 0x8000u && (double)f != x) b = fabs(x) > fabs((double)f) ? b + 1u : b - 1u;
+  return kvc_bf16r(__uint_as_float(b));
+}
 DSV4_DEVICE void kvc_fwht128(float v[4], int lane) {
-  const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
-  v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
+  double d[4] = {(double)v[0], (double)v[1], (double)v[2], (double)v[3]};
+  const double a0 = d[0] + d[1], a1 = d[0] - d[1], a2 = d[2] + d[3], a3 = d[2] - d[3];
+  d[0] = a0 + a2; d[2] = a0 - a2; d[1] = a1 + a3; d[3] = a1 - a3;
 #pragma unroll
   for (int b = 0; b < 5; ++b) {
     const bool upper = (lane >> b) & 1;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float p = __shfl_xor_sync(KVC_FULL, v[i], 1 << b);
-      v[i] = upper ? (p - v[i]) : (v[i] + p);
+      const double p = __shfl_xor_sync(KVC_FULL, d[i], 1 << b);
+      d[i] = upper ? (p - d[i]) : (d[i] + p);
     }
   }
-  const float s = 0.08838834764831845f;  // fp32(128^-0.5)
+  const double s = 0.08838834764831845;  // fp64(128^-0.5)
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = __fmul_rn(v[i], s);
+  for (int i = 0; i < 4; ++i) v[i] = kvc_bf16r_f64(d[i] * s);
 }

@@ -5,10 +5,13 @@ One kernel source, specialized by macros: MOE_ACT (0 FP8 E4M3 / 1 BF16 activatio
 Persistent launch: grid = min(upper bound of tiles, #SMs); the kernel reads per-expert row
 counts on the device (no host sync; CUDA-graph capturable).
 
-No CuTe DSL provider yet: the main loop decodes FP4 weights to E4M3/BF16 in shared memory with the
-UE8M0 scales folded per 128-K block (exact), feeds hand-built WGMMA descriptors, and fuses the
-clamped SwiGLU + routing weight + FP8 requant epilogue over a persistent grouped schedule; it was
-written directly in CUDA C++ for control over that decode layout (a DSL port is a follow-up).
+Why these stay the default: the CuTe DSL provider (kernels_dsl/moe.py, the sm90 grouped GEMM) is
+correct within the precision contract on the H200 but measured slower (job moegemm-03,
+2026-12-01, DSV4-Flash MXFP4 W4A8, GEMM1 + GEMM2, CUDA-graph replay: T=4 349 us, T=64 5.1 ms,
+T=4096 8.7 ms = 142 TFLOP/s, vs these kernels' 80-417 us decode and 434 TFLOP/s prefill in
+docs/benchmarks.md): its 3-warp operand transform and per-unit scale prologue are the limiter.
+The registry therefore prefers ``cuda`` for both ops (``dsv4.ops.moe.GEMM_KINDS``); the reason
+string of :class:`_CudaMoEBase` says so.
 """
 from __future__ import annotations
 
@@ -158,7 +161,8 @@ class _CudaMoEBase(CudaProvider):
             return Support.no(f"cuda: N={problem['N']} is not a multiple of {BN}")
         if problem["E"] > 2048:
             return Support.no(f"cuda: E={problem['E']} > 2048 (prefix table in shared memory)")
-        return Support.yes("sm_90a WGMMA, K % 128 == 0, N % 256 == 0")
+        return Support.yes("sm_90a WGMMA, K % 128 == 0, N % 256 == 0; preferred over dsl: measured 1.6-9x "
+                           "faster on the H200 (moegemm-03, docs/benchmarks.md)")
 
 
 class CudaMoEGemm1(_CudaMoEBase):

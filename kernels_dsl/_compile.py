@@ -9,7 +9,7 @@
   ``~/.cache/dsv4/dsl``) and reloaded with ``cute.runtime.load_module`` in later processes
   (verified on the H200 2026-11-29: load 4-5 ms vs a fresh compile, bit-exact; a ``.o`` built
   on a CPU machine with the cu12 wheel also loaded and ran under the GPU's cu13 bundle). The
-  key hashes the specialization key, the DSL version and every ``kernels_dsl/*.py`` source;
+  key hashes the specialization key, the DSL version and every ``kernels_dsl/**/*.py`` source (sm90/ included);
   writes are atomic; an entry that fails to load is deleted and recompiled.
   ``DSV4_DSL_DISK_CACHE=0`` turns it off.
 * ``cute.compile`` is not thread-safe: a process-wide lock serializes compiles.
@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, Callable, Hashable
 
 from dsv4.config import env_flag, env_str
-from dsv4.registry import Support
+from dsv4.registry import Provider, Support
 
-__all__ = ["dsl_available", "compile_cached", "compile_options", "stats", "current_stream"]
+__all__ = ["dsl_available", "compile_cached", "compile_options", "stats", "current_stream", "launch_on",
+           "dsl_target_support", "DslProvider"]
 
 _cache: dict[Hashable, Any] = {}
 _lock = threading.Lock()
@@ -65,8 +66,9 @@ def disk_cache_dir() -> Path:
 @functools.lru_cache(maxsize=None)
 def _sources_digest() -> str:
     h = hashlib.sha256()
-    for p in sorted(Path(__file__).resolve().parent.glob("*.py")):
-        h.update(p.name.encode())
+    root = Path(__file__).resolve().parent
+    for p in sorted(root.rglob("*.py")):          # kernels_dsl/*.py and the shared kernels_dsl/sm90/*.py
+        h.update(str(p.relative_to(root)).encode())
         h.update(p.read_bytes())
     try:
         from importlib.metadata import version
@@ -143,3 +145,44 @@ def current_stream():
     import cuda.bindings.driver as cuda
     import torch
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def launch_on(device, fn, *args) -> None:
+    """Call the compiled kernel ``fn(*args, stream)`` on torch's current stream of ``device``.
+
+    The DSL launches in the current CUDA context, so a tensor on another GPU than the current
+    one is launched inside ``torch.cuda.device(device)``."""
+    import torch
+    if device.index is None or device.index == torch.cuda.current_device():
+        fn(*args, current_stream())
+    else:
+        with torch.cuda.device(device):
+            fn(*args, current_stream())
+
+
+def dsl_target_support(target, requirement: str = "compiled for sm_90a only") -> Support | None:
+    """``Support.no`` when the tensors are not on a Hopper (sm_90a) GPU, else ``None``."""
+    if not target.is_cuda:
+        return Support.no("dsl: tensors are not on a CUDA device")
+    if target.arch != "sm_90a":
+        return Support.no(f"dsl: {requirement}, device is {target.arch}")
+    return None
+
+
+class DslProvider(Provider):
+    """Base of the CuTe DSL providers: available when the DSL imports; supports sm_90a targets,
+    then asks :meth:`supports_problem` (override it for shape / format limits)."""
+
+    kind = "dsl"
+    #: reason text when the device is not sm_90a
+    arch_requirement = "compiled for sm_90a only"
+
+    def available(self) -> Support:
+        return dsl_available()
+
+    def supports(self, problem, target) -> Support:
+        no = dsl_target_support(target, self.arch_requirement)   # (a Support.no is falsy: no `or` here)
+        return no if no is not None else self.supports_problem(problem)
+
+    def supports_problem(self, problem) -> Support:
+        return Support.yes("sm_90a")

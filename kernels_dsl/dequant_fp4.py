@@ -23,15 +23,15 @@ import os
 import tempfile
 from typing import Optional
 
-from dsv4.registry import Provider, Support
+from dsv4.registry import Support
 
-from ._compile import compile_cached, compile_options, current_stream, dsl_available
+from ._compile import DslProvider, compile_cached, compile_options, launch_on
 
 try:  # the DSL is optional at import time: the provider then reports "unavailable"
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int64, Uint8, Uint32
+    from cutlass import Float32, Int64, Uint8, Uint32
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
     from cutlass.memory import SmemAllocator
@@ -261,18 +261,10 @@ def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[
     return out
 
 
-class DslDequantFp4(Provider):
-    kind = "dsl"
+class DslDequantFp4(DslProvider):
     describe = "CuTe DSL DequantFp4Kernel: prmt byte-LUT E2M1 decode, 16 B ld.global.nc / st.global"
 
-    def available(self):
-        return dsl_available()
-
-    def supports(self, problem, target):
-        if not target.is_cuda:
-            return Support.no("dsl: tensors are not on a CUDA device")
-        if target.arch != "sm_90a":
-            return Support.no(f"dsl: compiled for sm_90a only, device is {target.arch}")
+    def supports_problem(self, problem):
         if problem.get("fmt") not in SF:
             return Support.no(f"dsl: unknown fmt {problem.get('fmt')!r}")
         if problem.get("out_dtype") not in _OUT_DSL:
@@ -300,11 +292,7 @@ class DslDequantFp4(Provider):
         args = (from_dlpack(data, assumed_align=16).mark_layout_dynamic(leading_dim=1),
                 from_dlpack(scale.view(torch.uint8), assumed_align=_SCALE_ALIGN[fmt]).mark_layout_dynamic(leading_dim=1),
                 from_dlpack(out, assumed_align=16).mark_layout_dynamic(leading_dim=1), g)
-        if data.device.index is None or data.device.index == torch.cuda.current_device():
-            fn(*args, current_stream())
-        else:  # the DSL launches in the current CUDA context
-            with torch.cuda.device(data.device):
-                fn(*args, current_stream())
+        launch_on(data.device, fn, *args)
         return out
 
 

@@ -41,7 +41,7 @@ import os
 import tempfile
 from typing import Optional
 
-from ._compile import compile_cached, compile_options, current_stream, dsl_available
+from ._compile import compile_cached, compile_options, dsl_available, launch_on
 
 try:  # the DSL is optional at import time
     import cuda.bindings.driver as cuda
@@ -458,11 +458,7 @@ def _prepare(a, b, out_dtype, out, tile_n, num_ctas, cluster_m, epilogue):
     dev = a.device
 
     def launch():
-        if dev.index is None or dev.index == torch.cuda.current_device():
-            fn(*args, current_stream())
-        else:  # the DSL launches in the current CUDA context
-            with torch.cuda.device(dev):
-                fn(*args, current_stream())
+        launch_on(dev, fn, *args)
         return out
     return launch, out
 

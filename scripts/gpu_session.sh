@@ -41,7 +41,7 @@ step "gpu tests: quantize" 90 $PY -m pytest -q -m gpu -p no:cacheprovider tests/
 step "gpu tests: topk TOPK_APPEND=1" 90 env DSV4_TOPK_APPEND=1 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_topk.py
 step "bench topk (both schemes)" 90 $PY bench/bench_topk.py --json "$OUT/topk.json"
 step "bench dequant_fp4" 60 $PY bench/bench_dequant_fp4.py --json "$OUT/dequant.json"
-step "gpu tests: indexer TUNED=1" 120 env DSV4_INDEXER_TUNED=1 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py
-step "bench indexer TUNED=1 (quick)" 90 env DSV4_INDEXER_TUNED=1 $PY bench/bench_indexer.py --quick --no-baseline --json "$OUT/indexer_tuned.json"
+step "gpu tests: indexer" 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py tests/test_indexer_dsl.py
+step "bench indexer (quick)" 90 $PY bench/bench_indexer.py --quick --json "$OUT/indexer_quick.json"
 step "gpu tests: moe v3" 90 env DSV4_MOE_KERNEL=v3 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_moe.py
 echo "total $(( $(date +%s) - T0 ))s" | tee -a "$S"

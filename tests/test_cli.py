@@ -57,7 +57,9 @@ RUN_KEYS = {"config", "copy_bandwidth_gbps", "stages", "quality", "schema"}
 STAGE_KEYS = {"name", "op", "provider", "reason", "time_us", "bytes", "flops", "roofline", "pct_roofline",
               "gbps", "tflops", "timing"}
 STAGES = ["kv_cache_append", "indexer_cache_write", "indexer_q_quant", "indexer_logits_paged", "topk",
-          "kv_gather", "sparse_attention"]
+          "attn_lists", "sparse_attention"]
+LAYER_STAGES = {"hca": ["kv_compress_prefill", "kv_cache_append", "attn_lists", "sparse_attention"],
+                "swa": ["kv_cache_append", "attn_lists", "sparse_attention"]}
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +82,39 @@ def test_run_cpu_reference_path_prints_the_table(cpu_run):
 def test_run_json_schema_is_stable(cpu_run):
     _, d = cpu_run
     out = json.loads((d / "run.json").read_text())
-    assert set(out) == RUN_KEYS and out["schema"] == 1
+    assert set(out) == RUN_KEYS and out["schema"] == 2
     assert out["config"]["reference_path"] is True and out["config"]["entries"] == out["config"]["context"] // 4
+    assert out["config"]["layer"] == "csa"
     assert [s["name"] for s in out["stages"]] == STAGES
     for s in out["stages"]:
         assert set(s) == STAGE_KEYS and s["provider"] == "torch" and s["time_us"] > 0 and s["reason"]
     q = out["quality"]
     # the FP4 (MXFP4 + Hadamard) selection must be close to the FP32 one on the generated data
     assert 0.9 < q["topk_recall_mean"] <= 1.0 and 0.99 < q["attn_cosine_mean"] <= 1.0
+
+
+@pytest.mark.parametrize("layer", ["hca", "swa"])
+def test_run_other_layers_cpu(tmp_path, layer):
+    """--layer hca (compressor + attention over every compressed entry) and swa (window only)."""
+    r = dsv4("run", "--no-progress", "--layer", layer, "--context", "2048", "--next-n", "2", "--json",
+             str(tmp_path / "o.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{layer.upper()} layer" in r.stdout and "cosine" in r.stdout and "top-k recall" not in r.stdout
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert [s["name"] for s in out["stages"]] == LAYER_STAGES[layer]
+    assert out["config"]["layer"] == layer
+    assert out["config"]["entries"] == (2048 // 128 if layer == "hca" else 0)
+    assert out["quality"]["topk_recall_mean"] is None
+    assert 0.999 < out["quality"]["attn_cosine_mean"] <= 1.0
+    for s in out["stages"]:
+        assert set(s) == STAGE_KEYS and s["time_us"] > 0 and s["reason"]
+
+
+def test_run_inputs_only_for_csa(tmp_path):
+    f = tmp_path / "cap.safetensors"
+    _write_inputs(f)
+    r = dsv4("run", "--no-progress", "--layer", "swa", "--inputs", str(f))
+    assert r.returncode == 2 and "--inputs" in r.stderr and "--layer swa" in r.stderr
 
 
 def _write_inputs(path, B=1, S=512, next_n=1, drop=None, bad_shape=None):

@@ -278,7 +278,21 @@ def test_dsl_provider_support_reasons():
     ok = {"fmt": "nvfp4", "out_dtype": "bfloat16", "K": 7168, "device": "cuda"}
     assert p.supports(ok, h)
     assert "multiple of 32" in p.supports(dict(ok, K=48), h).reason
-    assert "sm_90a" in p.supports(ok, Target("cuda", "sm_100a", "B200", 148, 0)).reason
+    b200 = p.supports(ok, Target("cuda", "sm_100a", "B200", 148, 0))
+    assert not b200 and "sm_90a" in b200.reason and "sm_100a" in b200.reason
+    assert not p.supports(ok, Target.of("cpu"))
+
+
+def test_cuda_provider_refuses_other_archs():
+    """A kernel built for sm_90a is never offered on another GPU or on the CPU (the arch check is
+    not bypassed by the shape checks that follow it)."""
+    from dsv4.target import Target
+    from kernels_cuda.dequant_fp4 import PROVIDERS
+    p = PROVIDERS["dequant_fp4"](registry.get_op("dequant_fp4"))
+    ok = {"fmt": "nvfp4", "out_dtype": "bfloat16", "K": 7168, "device": "cuda"}
+    assert p.supports(ok, Target("cuda", "sm_90a", "H200", 132, 0))
+    b200 = p.supports(ok, Target("cuda", "sm_100a", "B200", 148, 0))
+    assert not b200 and "sm_100a" in b200.reason
     assert not p.supports(ok, Target.of("cpu"))
 
 

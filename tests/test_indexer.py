@@ -1,7 +1,9 @@
 """Lightning Indexer: references, layouts, compile checks (CPU) and kernel gates (GPU).
 
-GPU gates (issue 4): (a) kernel vs torch reference on the same dequantized values, logits
-rel. error <= 1e-5 and top-k sets equal up to exact ties; (b) recall of the FP4/FP8 selection
+GPU gates (issues 4, 13): (a) kernel vs torch reference on the same dequantized values: the
+exact CUDA BF16 path (NVFP4) <= 1e-5 with top-k sets equal up to exact ties, the FP8-WGMMA DSL
+path (MXFP4 / FP8 keys) within the op's precision contract (<= 2e-3 x row max, recall >= 99.5%;
+more in tests/test_indexer_dsl.py); (b) recall of the FP4/FP8 selection
 vs the unquantized fp32 selection (table written to $DSV4_RESULTS_DIR/indexer_recall.json when
 set); (c) CSA attention output from the quantized selection vs the fp32 selection, cosine >=
 0.999; plus the exhaustive in-kernel E2M1 decode (all 256 bytes), cache-writer bytes vs the
@@ -91,6 +93,77 @@ def test_reference_roundtrip_and_hadamard_invariance_cpu():
         assert rel < {"mxfp4": 0.35, "nvfp4": 0.25, "fp8": 0.07}[fmt], (fmt, rel)
 
 
+def _bf16_oracle(v: torch.Tensor) -> torch.Tensor:
+    """Independent fp64 -> bf16 round-to-nearest-even (numpy frexp / rint on the exact fp64
+    value: 8 significant bits), for normal-range values."""
+    import numpy as np
+    a = v.double().numpy()
+    m, e = np.frexp(np.abs(a))                     # |a| = m * 2^e, m in [0.5, 1)
+    r = np.rint(m * 256.0) * np.exp2(e - 8.0)      # m * 256 is exact; rint = ties to even
+    return torch.from_numpy(np.copysign(r, a)).to(torch.bfloat16)   # exactly representable: no rounding
+
+
+def _rotate_oracle(x: torch.Tensor) -> torch.Tensor:
+    """bf16(H_128 x * 128^-0.5): fp64 matrix product with the Sylvester matrix, one rounding."""
+    from dsv4.reference.hadamard import hadamard_matrix
+    y = x.double().reshape(-1, 128) @ hadamard_matrix(128).T * 128 ** -0.5
+    return _bf16_oracle(y).reshape(x.shape)
+
+
+def test_hadamard_path_rounds_to_bf16_like_official_cpu():
+    """Conformance with the official rotate_activation (bf16 in, bf16 out): q and K are rotated,
+    rounded to bf16 once, then quantized; element-exact against an independent oracle (fp64
+    Sylvester matrix product + independent RNE rounding, then the formats quantizers)."""
+    from dsv4.formats import quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+    from dsv4.reference.hadamard import bf16_round, rotate_activation_ref
+    d = indexer_inputs(96, 1536, seed=44)
+    for x in (d.q, d.k):
+        yo = _rotate_oracle(x)
+        assert torch.equal(rotate_activation_ref(x).view(torch.int16), yo.view(torch.int16))
+        xf = yo.float().reshape(-1, 128)
+        for fmt in FORMATS:
+            g = _gscale(x, fmt)
+            vals, sf = quantize_rows(x, fmt, g, hadamard=True)
+            if fmt == "mxfp4":
+                ov, os_ = quantize_mxfp4(xf, rule="dsv4")
+                ov, os_ = ov, os_.view(torch.uint8)
+            elif fmt == "nvfp4":
+                t = quantize_nvfp4(xf, global_scale=g)
+                ov, os_ = t.data, t.scale.view(torch.uint8)
+            else:
+                qq, ss = quantize_fp8_block(xf, 128, "ue8m0")
+                ov, os_ = qq.view(torch.uint8), ss.reshape(-1, 1).contiguous().view(torch.uint8)
+            assert torch.equal(vals.reshape(ov.shape), ov), fmt
+            assert torch.equal(sf.reshape(-1), os_.reshape(-1)), fmt
+    # the query quantizer follows the same path (fp8: its power-of-two scale folded into w)
+    qd, qs, wo = q_quant_ref(d.q, d.w, "mxfp4", True)
+    ov, os_ = quantize_mxfp4(_rotate_oracle(d.q).float().reshape(-1, 128), rule="dsv4")
+    assert torch.equal(qd.reshape(-1, 64), ov) and torch.equal(qs.reshape(-1, 4), os_.view(torch.uint8))
+    # bf16_round: the double-rounding case torch's .to(bfloat16) gets wrong
+    t = torch.tensor([1.00390625 + 2.0 ** -40, -(1.00390625 + 2.0 ** -40), 1.00390625, 1.01171875], dtype=torch.float64)
+    assert bf16_round(t).float().tolist() == [1.0078125, -1.0078125, 1.0, 1.015625]
+    assert torch.equal(bf16_round(t).view(torch.int16), _bf16_oracle(t).view(torch.int16))
+
+
+def test_kv_compressor_indexer_rotate_rounds_to_bf16_cpu(monkeypatch):
+    """The indexer compressor (d = 128) rotates its bf16 entry with the same rotate_activation
+    (fp64 oracle, one rounding) before MXFP4: compress_finish_ref == oracle(pre-rotation value)."""
+    import dsv4.reference.kv_cache as kvr
+    from dsv4.reference.rope import rope_cos_sin_table
+    gen = torch.Generator().manual_seed(5)
+    E = 200
+    pooled = torch.randn(E, 128, generator=gen) * 3
+    pooled[:, :4] *= 20
+    b = torch.arange(E, dtype=torch.int32)
+    w = torch.rand(128, generator=gen) + 0.5
+    table = rope_cos_sin_table(4 * E + 8)
+    y = kvr.compress_finish_ref(pooled, b, 4, w, table)
+    monkeypatch.setattr(kvr, "rotate_activation_ref", lambda t: t)
+    pre = kvr.compress_finish_ref(pooled, b, 4, w, table)
+    assert pre.dtype == torch.bfloat16
+    assert torch.equal(y.view(torch.int16), _rotate_oracle(pre).view(torch.int16))
+
+
 def test_logits_reference_matches_dense_fp64_cpu():
     d = indexer_inputs(48, 700, seed=5)
     ks = torch.randint(0, 100, (48,), dtype=torch.int32)
@@ -132,12 +205,16 @@ def test_paged_reference_rows_keep_their_lengths_cpu(fmt):
     qr = dequantize_q(qd[2:4], qs[2:4], fmt, gq)
     ref = logits_ref(qr, wo[2:4], kr, torch.zeros(2, dtype=torch.int32), lens[1])
     assert torch.equal(out[2:4, :ctx], ref)
-    # [B] form + MTP rule == explicit [B, next_n]
+    # [B] form: every next_n row of batch b sees context_lens[b] entries (DSV4 C4 decode),
+    # the same as the explicit [B, next_n] lengths broadcast along next_n
     lens1 = torch.tensor([6, 300, 65], dtype=torch.int32)
     out1 = indexer_logits_paged(qd.reshape(B, nn, 64, -1), qs.reshape(B, nn, 64, -1), wo, cache, lens1, bt,
                                 fmt=fmt, q_global=gq, k_global=g)
-    assert torch.equal(torch.isfinite(out1[0]), torch.arange(mb * bs) < 5)
-    assert torch.equal(torch.isfinite(out1[5]), torch.arange(mb * bs) < 65)
+    out2 = indexer_logits_paged(qd.reshape(B, nn, 64, -1), qs.reshape(B, nn, 64, -1), wo, cache,
+                                lens1[:, None].repeat(1, nn).contiguous(), bt, fmt=fmt, q_global=gq, k_global=g)
+    assert torch.equal(out1, out2)
+    for r, L in enumerate([6, 6, 300, 300, 65, 65]):
+        assert torch.equal(torch.isfinite(out1[r]), torch.arange(mb * bs) < L), r
 
 
 def test_prefill_ranges_and_topk_cpu():
@@ -204,93 +281,28 @@ def _recall(ref: torch.Tensor, got: torch.Tensor, k: int) -> float:
 
 
 def test_kernels_compile_sm90a_wgmma_cpu():
-    """NVRTC compiles every variant for sm_90a; the logits kernel uses WGMMA and cp.async."""
+    """NVRTC compiles every variant for sm_90a; the logits kernel uses BF16 WGMMA and cp.async; the
+    quantizer's Hadamard runs in fp64 (DSV4 rotate_activation, one rounding to bf16)."""
     from kernels_cuda.nvrtc import load
     for fmt in (0, 1, 2):
-        for nq, paged, fast in ((4, 0, 1), (1, 1, 1), (2, 1, 0), (3, 1, 1), (4, 1, 0)):
-            ptx = load("indexer.cu", IDX_FMT=fmt, IDX_NQ=nq, IDX_PAGED=paged, IDX_STAGES=2, IDX_FASTDEC=fast,
-                       IDX_TUNED=fast, IDX_MAX_CHUNK_TILES=256).ptx()
+        for nq, paged in ((4, 0), (1, 1), (2, 1), (3, 1), (4, 1)):
+            ptx = load("indexer.cu", IDX_FMT=fmt, IDX_NQ=nq, IDX_PAGED=paged, IDX_STAGES=2,
+                       IDX_MAX_CHUNK_TILES=256).ptx()
             assert "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16" % (64 * nq) in ptx
             assert "cp.async.cg.shared.global" in ptx and "fence.proxy.async" in ptx
-            assert fmt == 2 or ("prmt.b32" in ptx if not fast else "fma.rn.bf16x2" in ptx)
+            assert fmt == 2 or "fma.rn.bf16x2" in ptx
+            assert "e4m3.e4m3" not in ptx          # the retired FP8-WGMMA variants are gone
         for had in (0, 1):
             ptx = load("indexer.cu", IDX_FMT=fmt, IDX_HADAMARD=had).ptx()
-            assert ("shfl.sync.bfly" in ptx)
-    # FP8 WGMMA path (MXFP4 / FP8 keys): k32 e4m3 wgmma, cp.async ring, no BF16 MMA
-    for fmt, nq, paged, fold, accbuf, bulk in ((0, 1, 1, 1, 2, 1), (0, 1, 1, 1, 2, 0), (0, 2, 1, 1, 2, 1),
-                                               (0, 3, 1, 1, 1, 1), (0, 2, 0, 1, 2, 0), (2, 1, 1, 1, 2, 0),
-                                               (2, 2, 0, 1, 1, 0), (2, 4, 1, 0, 2, 0), (2, 4, 0, 0, 2, 0)):
-        ptx = load("indexer.cu", IDX_FMT=fmt, IDX_NQ=nq, IDX_PAGED=paged, IDX_STAGES=3, IDX_TUNED=1,
-                   IDX_MAX_CHUNK_TILES=256, IDX_MMA8=1, IDX_FOLD=fold, IDX_ACCBUF=accbuf, IDX_BULK=bulk).ptx()
-        assert "wgmma.mma_async.sync.aligned.m64n%dk32.f32.e4m3.e4m3" % (64 * nq) in ptx, (fmt, nq)
-        assert ".bf16.bf16" not in ptx and "fence.proxy.async" in ptx
-        if bulk:
-            assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
-            assert "mbarrier.try_wait.parity" in ptx and "cp.async.cg" not in ptx
-        else:
-            assert "cp.async.cg.shared.global" in ptx
-    with pytest.raises(Exception, match="NVFP4"):
-        load("indexer.cu", IDX_FMT=1, IDX_MMA8=1).ptx()
-
-
-def _mma8_emulate_mxfp4(qd, qs, w, kd, ksf):
-    """CPU model of the FP8 WGMMA path of indexer.cu (IDX_MMA8, MXFP4): the exact operand bytes
-    the kernel builds, the k32 block sums in float64 (what the tensor core must return), the
-    fold with 2^(e_k - 121) and w x 2^(E_h - 133). Returns (logits [T, S] fp64, block sums)."""
-    T, S = qd.shape[0], kd.shape[0]
-    # keys: nibble -> E4M3 byte sign << 7 | code << 2 (== E2M1 * 2^-6), order [0,2,4,6,1,3,5,7] per word
-    kb = kd.to(torch.int32)
-    lo, hi = kb & 0xF, kb >> 4                                        # [S, 64] nibbles of dims 2i, 2i+1
-    nib = torch.stack((lo, hi), -1).reshape(S, 128)                   # natural dim order
-    perm = torch.arange(128).reshape(16, 2, 4).transpose(1, 2).reshape(16, 8)  # word c: dims 8c + [0,2,4,6,1,3,5,7]
-    perm = perm.reshape(-1)
-    nib_p = nib[:, perm]
-    kbyte = ((nib_p & 8) << 4) | ((nib_p & 7) << 2)
-    kval = kbyte.to(torch.uint8).view(torch.float8_e4m3fn).double()    # E2M1 * 2^-6
-    # queries: E2M1 * 2^(e_b - E_h + 6) -> E4M3 (RN)
-    qb = qd.to(torch.int32).reshape(T * 64, 64)
-    qn = torch.stack((qb & 0xF, qb >> 4), -1).reshape(T * 64, 128)[:, perm]
-    lut = torch.tensor(E2M1 + [-v for v in E2M1], dtype=torch.float64)
-    qe = lut[qn.long()]
-    e = qs.to(torch.int64).reshape(T * 64, 4)
-    eh = e.amax(1, keepdim=True)
-    f = torch.exp2((e - eh + 6).double()).repeat_interleave(32, 1)
-    qval = (qe * f).float().to(torch.float8_e4m3fn).double().reshape(T, 64, 128)
-    blocks = torch.einsum("thbd,sbd->thsb", qval.reshape(T, 64, 4, 32), kval.reshape(S, 4, 32))
-    ek = ksf.to(torch.int64).reshape(S, 4)
-    summ = (blocks * torch.exp2((ek - 121).double())[None, None]).sum(-1)       # [T, 64, S]
-    wq = w.double() * torch.exp2((eh.reshape(T, 64) - 133).double())
-    return (summ.clamp_min(0) * wq[..., None]).sum(1), blocks
-
-
-def test_mma8_mxfp4_math_exact_cpu():
-    """The FP8-path algebra (operand bytes, per-k32 block sums, power-of-two folds) reproduces the
-    dequantized logits, and every k32 block sum fits Hopper's FP8 accumulator exactly: a multiple of
-    2^(e_q - E_h - 14) (E2M1 x E2M1 products are multiples of 1/4 before the 2^(e_q - E_h) block
-    factor) of at most 1152 in E2M1 units -> at most 13 significant bits."""
-    T, S = 32, 512
-    d = indexer_inputs(T, S, seed=9)
-    for had in (False, True):
-        qd, qs, wo = q_quant_ref(d.q, d.w, "mxfp4", had)
-        kv, ksf = quantize_rows(d.k, "mxfp4", None, had)
-        got, blocks = _mma8_emulate_mxfp4(qd, qs, wo, kv, ksf)
-        ref = logits_ref(dequantize_q(qd, qs, "mxfp4"), wo, dequantize_rows(kv, ksf, "mxfp4"),
-                         torch.zeros(T, dtype=torch.int32), torch.full((T,), S, dtype=torch.int32), dtype=torch.float64)
-        rel = ((got - ref.double()).abs().amax(1) / ref.double().abs().amax(1)).max().item()
-        assert rel < 1.2e-7, (had, rel)   # the reference's output is rounded to fp32
-        # exactness in the tensor core: block sum / 2^(e_q - E_h) is a multiple of 1/4 with |.| <= 1152
-        e = qs.to(torch.int64)
-        unit = torch.exp2((e - e.amax(-1, keepdim=True)).double())              # [T, 64, 4]
-        x = blocks / unit[:, :, None, :]
-        assert torch.equal(x * 4, (x * 4).round()) and x.abs().max().item() <= 1152
-        # and every q operand byte was exact (no block 2^14 below its head's largest here)
-        assert (e.amax(-1) - e.amin(-1)).max().item() <= 14
+            assert "shfl.sync.bfly" in ptx
+            assert ("add.rn.f64" in ptx or "add.f64" in ptx) == bool(had)
 
 
 # =========================================================================================
 # GPU gates
 def _cuda_only():
-    return use(indexer_cache_write="cuda", indexer_q_quant="cuda", indexer_logits="cuda", indexer_logits_paged="cuda")
+    """The quantizers on the CUDA kernels (their only GPU provider)."""
+    return use(indexer_cache_write="cuda", indexer_q_quant="cuda")
 
 
 def _results(name: str, obj) -> None:
@@ -322,14 +334,13 @@ def test_gpu_cache_write_and_q_quant_bytes(cuda_device, fmt, hadamard):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,mma", [("mxfp4", "auto"), ("mxfp4", "fp8"), ("mxfp4", "bf16"), ("nvfp4", "auto")])
-def test_gpu_e2m1_decode_exhaustive(cuda_device, monkeypatch, fmt, mma):
-    """Seed 000: every byte 0..255 through the in-kernel decode (prefill and paged paths, both MMA
-    paths for MXFP4: ``DSV4_INDEXER_MMA``).
+@pytest.mark.parametrize("fmt", ["nvfp4"])
+def test_gpu_e2m1_decode_exhaustive(cuda_device, fmt):
+    """Seed 000: every byte 0..255 through the in-kernel decode of the CUDA BF16 path (NVFP4,
+    prefill and paged; the DSL FP8 path's decode: tests/test_indexer_dsl.py one-hot test).
 
     Key s = 0..3 holds bytes 64 s .. 64 s + 63; query t = dim d has head 0 = +e_d, head 1 =
     -e_d, w = (1, -1, 0, ...), so logit[d, s] = K_s[d] exactly."""
-    monkeypatch.setenv("DSV4_INDEXER_MMA", mma)
     vb, sb = FORMATS[fmt]
     kv = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(4, 64)
     if fmt == "mxfp4":
@@ -373,7 +384,7 @@ def test_gpu_e2m1_decode_exhaustive(cuda_device, monkeypatch, fmt, mma):
                                  bt.to(dev), fmt=fmt, q_global=None if g1 is None else g1.to(dev),
                                  k_global=None if g1 is None else g1.to(dev))
     assert torch.equal(P[:, :4].double().cpu(), expect[:4])
-    # paged, next_n = 1 (the FP8 decode path for MXFP4): 8 sequences sharing page 1
+    # paged, next_n = 1: 8 sequences sharing page 1
     with _cuda_only():
         P1 = indexer_logits_paged(qd.reshape(128, 1, 64, -1)[:8].to(dev), qs.reshape(128, 1, 64, -1)[:8].to(dev),
                                   wo[:8].to(dev), cache.to(dev), torch.full((8,), 4, dtype=torch.int32, device=dev),
@@ -399,17 +410,26 @@ def _gate_stats(got: torch.Tensor, ref: torch.Tensor, k: int = 512) -> dict:
     both = torch.isfinite(tr)
     tol = 1e-5 * scale[:, None]
     topk_ok = bool(((ts - tr).abs().double().where(both, torch.zeros_like(tol)) <= tol).all())
+    hit = torch.zeros_like(ref, dtype=torch.bool).scatter_(1, torch.topk(ref, kk, dim=1).indices, True)
+    rec_rows = hit.gather(1, sel).float().mean(1)[both.all(1)]
+    recall = rec_rows.min().item() if rec_rows.numel() else 1.0
     return {"mask_ok": mask_ok, "max_rel_err": rel.max().item(), "median_rel_err": rel.median().item(),
-            "topk_ok": topk_ok}
+            "topk_ok": topk_ok, "recall": recall}
 
 
-def _check_logits(got: torch.Tensor, ref: torch.Tensor, k: int = 512) -> dict:
-    """Gate (a): same -inf mask; per-row max|err| / max|ref| <= 1e-5; top-k sets equal up to ties."""
+def _check_logits(got: torch.Tensor, ref: torch.Tensor, k: int = 512, fmt: str = "nvfp4") -> dict:
+    """Gate (a): same -inf mask and, for the exact CUDA BF16 path (NVFP4), per-row max|err| /
+    max|ref| <= 1e-5 with the top-k sets equal up to ties; for the FP8-WGMMA DSL path (MXFP4 /
+    FP8 keys) the op's precision contract: <= 2e-3 and top-k recall >= 99.5%."""
     st = _gate_stats(got, ref, k)
     assert st["mask_ok"]
-    assert st["max_rel_err"] <= 1e-5, st["max_rel_err"]
-    assert st["topk_ok"]
-    return {"max_rel_err": st["max_rel_err"], "median_rel_err": st["median_rel_err"]}
+    if fmt == "nvfp4":
+        assert st["max_rel_err"] <= 1e-5, st["max_rel_err"]
+        assert st["topk_ok"]
+    else:
+        assert st["max_rel_err"] <= 2e-3, st["max_rel_err"]
+        assert st["recall"] >= 0.995, st
+    return {"max_rel_err": st["max_rel_err"], "median_rel_err": st["median_rel_err"], "recall": st["recall"]}
 
 
 @functools.lru_cache(maxsize=1)
@@ -430,13 +450,12 @@ def test_gpu_prefill_logits_vs_reference(cuda_device, fmt):
     with _cuda_only():
         qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True, global_scale=gq)
     kv, ksf = quantize_rows(d.k, fmt, g, True)
-    with _cuda_only():
-        L = indexer_logits(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt, q_global=gq, k_global=g)
+    L = indexer_logits(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt, q_global=gq, k_global=g)   # default provider
     rows = torch.cat([torch.randperm(T, device=cuda_device)[:700], torch.arange(max(0, T - 68), T, device=cuda_device)])
     qr = dequantize_q(qd[rows], qs[rows], fmt, gq)
     kr = dequantize_rows(kv, ksf, fmt) * (g if g is not None else 1.0)
     ref = logits_ref(qr, wo[rows], kr, ks[rows], ke[rows], dtype=torch.float64, chunk=16)
-    stats = _check_logits(L[rows], ref)
+    stats = _check_logits(L[rows], ref, fmt=fmt)
     # seed 002 (prefill form): each query keeps its own range
     fin = torch.isfinite(L)
     cols = torch.arange(S, device=cuda_device)
@@ -466,105 +485,34 @@ def test_gpu_paged_logits_vs_reference(cuda_device, fmt, next_n):
         qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True, global_scale=gq)
     lens = (ctx[:, None] - next_n + 1 + torch.arange(next_n)[None]).clamp_min(0).to(torch.int32).to(dev)
     lens[2, 0] = 17  # an irregular row inside a batch
-    with _cuda_only():
+    if True:   # default provider (dsl: MXFP4 / FP8, cuda: NVFP4)
         L = indexer_logits_paged(qd.reshape(B, next_n, 64, -1), qs.reshape(B, next_n, 64, -1), wo, cache, lens, bt,
                                  fmt=fmt, q_global=gq, k_global=g)
     kr = dequantize_cache(cache, fmt, g)
     qr = dequantize_q(qd, qs, fmt, gq).reshape(B, next_n, 64, 128)
     ref = paged_logits_ref(qr, wo, kr, lens, bt, max_ctx)
-    _check_logits(L, ref)
-
-
-# MMA variants (kernels_cuda/indexer.py env switches): fmt -> {variant: env}
-MMA_VARIANTS = {
-    "mxfp4": {"fp8mma": {"DSV4_INDEXER_MMA": "fp8"}, "bf16mma": {"DSV4_INDEXER_MMA": "bf16"},
-              # tuning knobs (kernels_cuda/indexer.py); BULK is the default, the others are off:
-              "fp8mma_cpasync": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "0"},
-              "fp8mma_defer": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "0", "DSV4_INDEXER_DEFER": "1"},
-              "fp8mma_bulk_defer": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "1", "DSV4_INDEXER_DEFER": "1"},
-              "fp8mma_split": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "0", "DSV4_INDEXER_SPLIT_NN": "1"},
-              "fp8mma_acc1": {"DSV4_INDEXER_MMA": "fp8", "DSV4_INDEXER_BULK": "0", "DSV4_INDEXER_DECODE_ACCBUF": "1"}},
-    "fp8": {"bf16mma": {"DSV4_INDEXER_FP8_KEYS": "bf16"}, "fp8mma_fold": {"DSV4_INDEXER_FP8_KEYS": "fold"},
-            "fp8mma_nofold": {"DSV4_INDEXER_FP8_KEYS": "nofold"}},
-}
-DECODE_KNOBS = {"fp8mma_cpasync", "fp8mma_bulk_defer", "fp8mma_split", "fp8mma_acc1"}
-EXACT_VARIANTS = {("mxfp4", v) for v in MMA_VARIANTS["mxfp4"]} | {("fp8", "bf16mma")}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt,variant", [(f, v) for f, vs in MMA_VARIANTS.items() for v in vs])
-def test_gpu_mma_variants_gate_a(cuda_device, monkeypatch, fmt, variant):
-    """Gate (a) for every MMA variant (BF16 wgmma vs FP8 wgmma; FP8 keys with / without per-k32
-    promotion): prefill (the 5-sequence packed case) and decode (next_n 1 and 2). The numbers go
-    to $DSV4_RESULTS_DIR/indexer_gate_a_<fmt>_<variant>.json; exact variants must pass, the
-    FP8 x FP8 tensor-core variants are measured (Hopper FP8 accumulation is not exact)."""
-    for k, v in MMA_VARIANTS[fmt][variant].items():
-        monkeypatch.setenv(k, v)
-    dev = cuda_device
-    res = {}
-    decode_only = variant in DECODE_KNOBS   # these knobs do not change the prefill kernel
-    # prefill
-    lens = PREFILL_LENS
-    ks, ke, pos = indexer_prefill_ranges(lens, device=dev)
-    T, S = int(ks.numel()), sum(L // 4 for L in lens)
-    if not decode_only:
-        d = _prefill_data(T, S, tuple(pos.cpu().tolist()))
-        with _cuda_only():
-            qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True)
-        kv, ksf = quantize_rows(d.k, fmt, None, True)
-        with _cuda_only():
-            L = indexer_logits(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt)
-        torch.manual_seed(0)
-        rows = torch.cat([torch.randperm(T, device=dev)[:700], torch.arange(max(0, T - 68), T, device=dev)])
-        ref = logits_ref(dequantize_q(qd[rows], qs[rows], fmt), wo[rows], dequantize_rows(kv, ksf, fmt), ks[rows],
-                         ke[rows], dtype=torch.float64, chunk=16)
-        res["prefill"] = _gate_stats(L[rows], ref)
-    # decode
-    for nn in (1, 2):
-        B, bs, max_ctx = 6, 64, 6016
-        mb = max_ctx // bs
-        ctx = torch.tensor([6000, 2048, 3001, 65, 4500, 1], dtype=torch.int32)
-        dd = indexer_inputs(B * nn, B * max_ctx, seed=30 + nn, device=dev)
-        nb = B * mb + 7
-        g = torch.Generator().manual_seed(nn)
-        bt = torch.randperm(nb, generator=g)[: B * mb].reshape(B, mb).to(torch.int32).to(dev)
-        slots = (bt.long().repeat_interleave(bs, dim=1) * bs + torch.arange(max_ctx, device=dev) % bs).reshape(-1)
-        cache = torch.zeros(nb, bs, indexer_bytes_per_token(fmt), dtype=torch.uint8, device=dev)
-        with _cuda_only():
-            indexer_cache_write(cache, dd.k, slots, fmt=fmt, hadamard=True)
-            qd2, qs2, wo2 = indexer_q_quant(dd.q, dd.w, fmt=fmt, hadamard=True)
-        lens2 = (ctx[:, None] - nn + 1 + torch.arange(nn)[None]).clamp_min(0).to(torch.int32).to(dev)
-        with _cuda_only():
-            P = indexer_logits_paged(qd2.reshape(B, nn, 64, -1), qs2.reshape(B, nn, 64, -1), wo2, cache, lens2, bt, fmt=fmt)
-        refp = paged_logits_ref(dequantize_q(qd2, qs2, fmt).reshape(B, nn, 64, 128), wo2, dequantize_cache(cache, fmt),
-                                lens2, bt, max_ctx)
-        res[f"decode_next_n{nn}"] = _gate_stats(P, refp)
-    print(f"\ngate (a) {fmt} {variant}:", json.dumps(res))
-    _results(f"indexer_gate_a_{fmt}_{variant}.json", res)
-    if (fmt, variant) in EXACT_VARIANTS:
-        for k, st in res.items():
-            assert st["mask_ok"] and st["topk_ok"] and st["max_rel_err"] <= 1e-5, (k, st)
-    else:
-        for k, st in res.items():
-            assert st["mask_ok"], k   # masks are exact in every variant
+    _check_logits(L, ref, fmt=fmt)
 
 
 @pytest.mark.gpu
 def test_gpu_paged_cuda_graph_capture(cuda_device):
+    """The CUDA paged kernel (NVFP4) under graph capture (the DSL kernels: tests/test_indexer_dsl.py)."""
     dev = cuda_device
     B, nn, bs, mb = 4, 2, 64, 40
     d = indexer_inputs(B * nn, B * mb * bs, seed=5, device=dev)
-    cache = torch.zeros(B * mb, bs, 68, dtype=torch.uint8, device=dev)
+    g, gq = _gscale(d.k, "nvfp4"), _gscale(d.q, "nvfp4")
+    cache = torch.zeros(B * mb, bs, 72, dtype=torch.uint8, device=dev)
     bt = torch.arange(B * mb, dtype=torch.int32, device=dev).reshape(B, mb)
     with _cuda_only():
-        indexer_cache_write(cache, d.k, torch.arange(B * mb * bs, device=dev), fmt="mxfp4")
-        qd, qs, wo = indexer_q_quant(d.q, d.w, fmt="mxfp4")
-        lens = torch.tensor([100, 2000, 2560, 7], dtype=torch.int32, device=dev)
-        args = (qd.reshape(B, nn, 64, 64), qs.reshape(B, nn, 64, 4), wo, cache, lens, bt)
-        eager = indexer_logits_paged(*args)
+        indexer_cache_write(cache, d.k, torch.arange(B * mb * bs, device=dev), fmt="nvfp4", global_scale=g)
+        qd, qs, wo = indexer_q_quant(d.q, d.w, fmt="nvfp4", global_scale=gq)
+    lens = torch.tensor([100, 2000, 2560, 7], dtype=torch.int32, device=dev)
+    args = (qd.reshape(B, nn, 64, 64), qs.reshape(B, nn, 64, 8), wo, cache, lens, bt)
+    with use(indexer_logits_paged="cuda"):
+        eager = indexer_logits_paged(*args, fmt="nvfp4", q_global=gq, k_global=g)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = indexer_logits_paged(*args)
+            out = indexer_logits_paged(*args, fmt="nvfp4", q_global=gq, k_global=g)
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, eager)
@@ -578,7 +526,7 @@ def _fp32_selection(d, ks, ke):
 def test_gpu_recall_and_csa_cosine(cuda_device):
     """Gates (b) and (c): one sequence of 32768 tokens (8192 entries), the last 1024 queries.
 
-    (b) top-k recall of the quantized path (CUDA kernels) vs the unquantized fp32 path at
+    (b) top-k recall of the quantized path (default providers) vs the unquantized fp32 path at
     k = 512 / 1024, with and without Hadamard, MXFP4 / NVFP4 / FP8.
     (c) CSA attention (dsv4.reference.sparse_attention_ref) over the selected entries: output
     from the quantized selection vs from the fp32 selection, cosine >= 0.999 (MXFP4+Hadamard).
@@ -596,11 +544,10 @@ def test_gpu_recall_and_csa_cosine(cuda_device):
     for fmt in FORMATS:
         g, gq = _gscale(d.k, fmt), _gscale(d.q, fmt)
         for had in (False, True):
-            with _cuda_only():
-                qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=had, global_scale=gq)
+            # the providers dispatch picks (the DSL FP8-WGMMA kernels for MXFP4 / FP8, CUDA for NVFP4)
+            qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=had, global_scale=gq)
             kvq, ksf = quantize_rows(d.k, fmt, g, had)
-            with _cuda_only():
-                L = indexer_logits(qd, qs, wo, kvq, ksf, ks, ke, fmt=fmt, q_global=gq, k_global=g)
+            L = indexer_logits(qd, qs, wo, kvq, ksf, ks, ke, fmt=fmt, q_global=gq, k_global=g)
             for k in (512, 1024):
                 table[f"{fmt}{'+H' if had else ''}@{k}"] = round(_recall(ref, L, k), 5)
             # (c): attention over the selected entries (k = 512)
@@ -672,10 +619,10 @@ def test_gpu_out_of_range_slots_and_pages_match_reference(cuda_device, fmt):
     gq = _gscale(d.q, fmt)
     with _cuda_only():
         qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True, global_scale=gq)
-        P = indexer_logits_paged(qd.reshape(B, nn, 64, -1), qs.reshape(B, nn, 64, -1), wo, cache, lens, bt,
-                                 fmt=fmt, q_global=gq, k_global=g)
+    P = indexer_logits_paged(qd.reshape(B, nn, 64, -1), qs.reshape(B, nn, 64, -1), wo, cache, lens, bt,
+                             fmt=fmt, q_global=gq, k_global=g)
     refp = paged_logits_ref(dequantize_q(qd, qs, fmt, gq).reshape(B, nn, 64, 128), wo,
                             dequantize_cache(cache, fmt, g), lens, bt, mb * bs)
     st = _gate_stats(P, refp)
-    assert st["mask_ok"] and st["max_rel_err"] <= 1e-5, st
+    assert st["mask_ok"] and st["max_rel_err"] <= (1e-5 if fmt == "nvfp4" else 2e-3), st
     assert torch.isinf(P[0:2, 3 * bs:4 * bs]).all() and torch.isinf(P[2:4, 0:bs]).all()

@@ -373,23 +373,38 @@ def test_device_lo_lut_emulation():
 
 
 # ------------------------------------------------------------------------------------- GPU
-_GPU_VERSIONS = [v for v in __import__("os").environ.get("DSV4_MOE_TEST_VERSIONS", "v1,v2,v3,v4").split(",") if v]
+#: grouped-GEMM implementations the GPU tests run: v1..v4 = the cuda provider with that
+#: DSV4_MOE_KERNEL version, dsl = the CuTe DSL provider (DSV4_MOE_TEST_VERSIONS, dsv4/config.py)
+_GPU_VERSIONS = [v for v in __import__("os").environ.get("DSV4_MOE_TEST_VERSIONS", "v1,v2,v3,v4,dsl").split(",") if v]
 
 
 @pytest.fixture(params=_GPU_VERSIONS)
 def kver(request, monkeypatch):
+    """The provider kind under test ("cuda" with ``DSV4_MOE_KERNEL`` set, or "dsl")."""
+    if request.param == "dsl":
+        return "dsl"
     monkeypatch.setenv("DSV4_MOE_KERNEL", request.param)
-    return request.param
+    return "cuda"
 
 
-def _gpu_case(fmt, act, layout, E=33, D=2048, I=1024, T=2048, k=6, pow2_nvfp4=False, only=None, spread=2.0):
+def _gemm2_tol(kver: str, act: str) -> float:
+    """GEMM2 gate vs the exact-dequant oracle on the same h: the cuda kernels are exact (fp32
+    summation order only, 1e-4); the dsl provider's contract is 5e-3 (W4A8: FP8 WGMMA per 128-K
+    block with fp32 promotion) / 1e-5 (W4A16)."""
+    if kver == "cuda":
+        return 1e-4
+    return 5e-3 if act == "fp8" else 1e-5
+
+
+def _gpu_case(fmt, act, layout, E=33, D=2048, I=1024, T=2048, k=6, pow2_nvfp4=False, only=None, spread=2.0,
+              prov="dsl"):
     dev = "cuda"
     ck = make_weights(E, D, I, fmt=fmt, gscale_spread=spread, device=dev, pow2_nvfp4=pow2_nvfp4)
     W = prep(ck, fmt)
     x = make_x(T, D, device=dev)
     idx, w = random_routing(T, E, k, device=dev, only=only)
     from dsv4.registry import use
-    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+    with use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
         out = moe.moe_experts(x, idx, w, W, act=act, layout=layout, max_m=T)
     ref = ref_out(x, ck, fmt, act, idx, w)
     return out, ref, W, x, idx, w
@@ -401,7 +416,7 @@ def _gpu_case(fmt, act, layout, E=33, D=2048, I=1024, T=2048, k=6, pow2_nvfp4=Fa
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 def test_gpu_layer_matches_reference(fmt, act, layout, kver):
     pow2 = fmt == "nvfp4" and act == "fp8"  # W4A8 NVFP4 is exact for power-of-two block scales
-    out, ref, *_ = _gpu_case(fmt, act, layout, pow2_nvfp4=pow2, only=[e for e in range(33) if e % 5])
+    out, ref, *_ = _gpu_case(fmt, act, layout, pow2_nvfp4=pow2, only=[e for e in range(33) if e % 5], prov=kver)
     err = _rel(out, ref)
     print(f"\n[moe gpu {kver}] {fmt} {act} {layout}: rel err {err:.3e}")
     assert err < (1e-2 if act == "fp8" else 3e-3)
@@ -416,10 +431,10 @@ def test_gpu_nvfp4_general_scales_w4a8(kver):
     """General (non power-of-two) E4M3 block scales, per-expert global scales 3 decades apart, under
     W4A8: the hi + lo split is exact, so the layer matches the exact reference as tightly as MXFP4
     (same data path and tolerance); the old single-E4M3 fold is reported for comparison."""
-    out, ref, W, x, idx, w = _gpu_case("nvfp4", "fp8", "contiguous", E=9, T=512, spread=3.0)
+    out, ref, W, x, idx, w = _gpu_case("nvfp4", "fp8", "contiguous", E=9, T=512, spread=3.0, prov=kver)
     ck = make_weights(9, 2048, 1024, fmt="nvfp4", gscale_spread=3.0, device="cuda")
     fold = ref_out(x, ck, "nvfp4", "fp8", idx, w, kernel_fold=True)
-    mx_out, mx_ref, *_ = _gpu_case("mxfp4", "fp8", "contiguous", E=9, T=512, spread=3.0)
+    mx_out, mx_ref, *_ = _gpu_case("mxfp4", "fp8", "contiguous", E=9, T=512, spread=3.0, prov=kver)
     print(f"\n[moe gpu {kver}] nvfp4 general scales W4A8: vs exact {_rel(out, ref):.3e} (max {_maxrel(out, ref):.3e}); "
           f"old one-rounding fold vs exact {_rel(fold, ref):.3e} (max {_maxrel(fold, ref):.3e}); "
           f"mxfp4 same path vs exact {_rel(mx_out, mx_ref):.3e} (max {_maxrel(mx_out, mx_ref):.3e})")
@@ -428,10 +443,12 @@ def test_gpu_nvfp4_general_scales_w4a8(kver):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gpu_w4a8_gemms_exact_given_inputs(fmt, kver):
+def test_gpu_w4a8_gemms_within_contract_given_inputs(fmt, kver):
     """W4A8 GEMM1 / GEMM2 on identical FP8 inputs vs the exact-dequant torch oracle, general NVFP4
-    block scales (not powers of two) and per-expert global scales 3 decades apart: only FP32
-    accumulation order differs (the NVFP4 hi + lo split is exact)."""
+    block scales (not powers of two) and per-expert global scales 3 decades apart. Contract
+    (DeepGEMM style: FP8 WGMMA per 128-K block promoted into fp32; the weight decode, NVFP4's hi +
+    lo split included, is exact): GEMM2 relative error <= 5e-3; GEMM1's h within the bf16 / FP8
+    rounding of the reference."""
     dev = "cuda"
     E, D, I, T, k = 9, 2048, 1024, 1024, 6
     ck = make_weights(E, D, I, fmt=fmt, device=dev, gscale_spread=3.0)
@@ -440,7 +457,7 @@ def test_gpu_w4a8_gemms_exact_given_inputs(fmt, kver):
     idx, w = random_routing(T, E, k, device=dev)
     g = moe.moe_permute(x, idx, w, E, act="fp8")
     from dsv4.registry import use
-    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+    with use(moe_gemm1_swiglu=kver, moe_gemm2=kver):
         h, h_s = moe.moe_gemm1_swiglu(g, W)
         y = moe.moe_gemm2(h, h_s, g, W)
     with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
@@ -450,14 +467,15 @@ def test_gpu_w4a8_gemms_exact_given_inputs(fmt, kver):
     hd_ref = h_ref.float() * h_s_ref.repeat_interleave(128, 1)
     print(f"\n[moe gpu {kver}] {fmt} W4A8 gemm2 given h: rel {_rel(y, y_ref):.3e} max {_maxrel(y, y_ref):.3e}; "
           f"gemm1 h: rel {_rel(hd, hd_ref):.3e}")
-    assert _rel(y, y_ref) < 1e-4 and _maxrel(y, y_ref) < 1e-3
+    assert _rel(y, y_ref) < _gemm2_tol(kver, "fp8") and _maxrel(y, y_ref) < (1e-3 if kver == "cuda" else 2e-2)
     assert _rel(hd, hd_ref) < 1e-2 and (h_s == h_s_ref).float().mean() > 0.99
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["fp8", "bf16"])
-def test_gpu_gemm2_exact_given_h(act, kver):
-    """GEMM2 on the kernel's own h: only FP32 accumulation order differs from the oracle."""
+def test_gpu_gemm2_within_contract_given_h(act, kver):
+    """GEMM2 on the kernel's own h vs the exact-dequant oracle: W4A8 relative error <= 5e-3 (FP8
+    WGMMA per 128-K block, fp32 promotion), W4A16 <= 1e-5 (exact products, fp32 summation order)."""
     dev = "cuda"
     E, D, I, T, k = 17, 2048, 1024, 1024, 6
     ck = make_weights(E, D, I, device=dev, gscale_spread=3.0)
@@ -466,13 +484,14 @@ def test_gpu_gemm2_exact_given_h(act, kver):
     idx, w = random_routing(T, E, k, device=dev)
     g = moe.moe_permute(x, idx, w, E, act=act)
     from dsv4.registry import use
-    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+    with use(moe_gemm1_swiglu=kver, moe_gemm2=kver):
         h, h_s = moe.moe_gemm1_swiglu(g, W)
         y = moe.moe_gemm2(h, h_s, g, W)
     with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
         h_ref, h_s_ref = moe.moe_gemm1_swiglu(g, W)
         y_ref = moe.moe_gemm2(h, h_s, g, W)
-    assert _rel(y, y_ref) < 1e-4
+    print(f"\n[moe gpu {kver}] {act} gemm2 given h: rel {_rel(y, y_ref):.3e}")
+    assert _rel(y, y_ref) < _gemm2_tol(kver, act)
     if act == "fp8":
         hd = h.float() * h_s.repeat_interleave(128, 1)
         hd_ref = h_ref.float() * h_s_ref.repeat_interleave(128, 1)
@@ -498,7 +517,7 @@ def test_gpu_decode_masked_flash_shape_and_graph(kver):
     x = make_x(T, D, device=dev)
     idx, w = random_routing(T, E, k, device=dev, only=list(range(0, E, 7)))
     from dsv4.registry import use
-    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+    with use(moe_gemm1_swiglu=kver, moe_gemm2=kver):
         out = moe.moe_experts(x, idx, w, W, layout="masked", max_m=16)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -591,3 +610,95 @@ def test_dynamic_smem_limit_is_only_raised(monkeypatch):
     assert sizes[0] > sizes[1] and sizes[3] > sizes[0]          # smem grows with E
     assert calls == [sizes[0], sizes[3]]                         # set for 384, not lowered for 8, raised for 1000
     assert max(calls) >= max(sizes)
+
+
+# ------------------------------------------------------------------------------------- dsl grouped GEMM (CPU)
+def _dsl_fold_model(data, scale, fmt):
+    """Torch model of kernels_dsl/sm90/transform.py under W4A8: per row a reference over the whole
+    K (MXFP4: max UE8M0 byte; NVFP4: floor(log2 max sf) - 5), decoded E4M3 part(s), and the column
+    multiplier; returns (sum of parts * multiplier, parts count)."""
+    vals = dequant_fp4_weight(data, torch.ones_like(scale, dtype=torch.float32).to(scale.dtype)
+                              if False else scale, fmt)  # exact reference values
+    lev = __import__("dsv4.formats", fromlist=["e2m1_decode"]).e2m1_decode(
+        __import__("dsv4.formats", fromlist=["unpack_e2m1"]).unpack_e2m1(data))
+    sf = 32 if fmt == "mxfp4" else 16
+    if fmt == "mxfp4":
+        b = scale.view(torch.uint8).to(torch.int32)
+        rb = b.amax(-1, keepdim=True)
+        d = (b - rb + 6).repeat_interleave(sf, -1).float()
+        q = (lev * torch.exp2(d)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        return q * torch.exp2((rb - 133).float()), vals
+    s = scale.float()
+    m = s.amax(-1, keepdim=True)
+    base = torch.where(m > 0, torch.floor(torch.log2(m.clamp_min(1e-30))) - 5, torch.zeros_like(m))
+    v = lev * (s * torch.exp2(-base)).repeat_interleave(sf, -1)
+    hi = v.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    lo = (v - hi).to(torch.float8_e4m3fn).float()
+    return (hi + lo) * torch.exp2(base), vals
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_dsl_w4a8_row_fold_is_exact_on_checkpoint_like_weights(fmt):
+    """The DSL W4A8 weight decode (per-row reference exponent over the whole K, E4M3 fold / NVFP4
+    hi + lo split) reproduces level * scale exactly on realistic weights (per-row magnitudes
+    spread as in a checkpoint, general NVFP4 block scales), so the FP8 kernel's only error is the
+    tensor core's per-128-K accumulation; a row spanning more binades than the bound loses only
+    bits below 2^-9 relative to its largest value."""
+    ck = make_weights(3, 256, 256, fmt=fmt, gscale_spread=3.0)
+    for w, sc in ((ck["w13"], ck["w13_scale"]), (ck["w2"], ck["w2_scale"])):
+        got, exact = _dsl_fold_model(w, sc, fmt)
+        assert torch.equal(got, exact)
+    if fmt == "mxfp4":  # one group 20 binades below its row maximum: rounds, bounded
+        s = ck["w2_scale"].clone()
+        s.view(torch.uint8)[0, 0, 0] = int(s.view(torch.uint8)[0, 0].max()) - 20
+        got, exact = _dsl_fold_model(ck["w2"], s, fmt)
+        rowmax = exact[0, 0].abs().max()
+        assert not torch.equal(got, exact) and (got - exact).abs().max() <= rowmax * 2.0 ** -9
+
+
+def test_dsl_config_heuristic_and_smem_fit():
+    from kernels_dsl.sm90 import config as C
+    for stage in (1, 2):
+        for act in ("fp8", "bf16"):
+            for fmt in ("mxfp4", "nvfp4"):
+                for m in (1, 16, 64, 65, 4096):
+                    for E in (8, 256, 384, 1024):
+                        cfg = C.choose(stage=stage, act=act, fmt=fmt, R=E * m, E=E, N=4096, K=4096, max_m=m)
+                        assert C.smem_bytes(cfg) <= C.SMEM_OPTIN, cfg
+                        assert cfg.stages >= 2 and cfg.tile_m == (64 if m <= 64 else 128)
+                        p, c = cfg.regs
+                        assert p % 8 == 0 and c % 8 == 0 and 128 * (p + cfg.consumers * c) <= 65536 // cfg.ctas_per_sm * 1
+                        assert act in cfg.explain() and fmt in cfg.explain()
+    # the hint decides the tile, not the average: one hot expert among many empty ones
+    assert C.choose(stage=1, act="fp8", fmt="mxfp4", R=300, E=256, N=4096, K=4096).tile_m == 64
+    assert C.choose(stage=1, act="fp8", fmt="mxfp4", R=300, E=256, N=4096, K=4096, max_m=290).tile_m == 128
+
+
+def test_dsl_provider_reason_shows_config():
+    from dsv4.registry import get_op
+    from dsv4.target import Target
+    t = Target("cuda", "sm_90a", "H200", 132, 0)
+    for name in ("moe_gemm1_swiglu", "moe_gemm2"):
+        op = get_op(name)
+        s = op.check("dsl", dict(moe._ex_gemm(t), max_m=4), t)
+        if "not importable" in s.reason:
+            pytest.skip(s.reason)
+        assert s.ok and "tile 64x256" in s.reason, s.reason
+        assert op.check("dsl", dict(moe._ex_gemm(t), K=4096 + 64), t).ok is False
+        cpu = Target("cpu", None, "cpu", 0)
+        assert not op.check("dsl", moe._ex_gemm(t), cpu).ok
+
+
+def test_dsl_compile_check_ptx():
+    pytest.importorskip("cutlass.cute")
+    import os
+    import re
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from kernels_dsl import moe as dm
+    v = dm.compile_check(variants=((1, "fp8", "nvfp4", 128), (2, "bf16", "mxfp4", 64)))
+    for name, ptx in v.items():
+        for pat in dm.PTX_PATTERNS:
+            assert re.search(pat, ptx), (name, pat)
+        assert not re.search(r"\b(ld|st)\.local\b", ptx) or name.startswith("s1-fp8-nvfp4"), name
+    assert len(re.findall(r"wgmma\.mma_async\S*e4m3\.e4m3", v["s1-fp8-nvfp4-m128"])) == 16   # 2 halves x 4 k32 x (hi, lo)
+    assert "bf16.bf16" in v["s2-bf16-mxfp4-m64"]

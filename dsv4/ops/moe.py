@@ -1,19 +1,26 @@
 """DSV4 routed-expert MoE with FP4 (E2M1) expert weights on Hopper.
 
-Ops (all registered; providers: ``kernels_cuda/moe.py`` (cuda) and ``dsv4/reference/moe.py`` (torch)):
+Ops (all registered; providers: ``kernels_cuda/moe.py`` (cuda), ``kernels_dsl/moe_glue.py`` (dsl, the
+glue ops), ``kernels_dsl/moe.py`` (dsl, the grouped GEMMs on the ``kernels_dsl/sm90/`` mainloop) and
+``dsv4/reference/moe.py`` (torch)):
 
 * :func:`moe_prepare_weights` (``moe_prepare_weights``): checkpoint tensors -> kernel layout
   (:class:`MoEWeights`); the layout is printed by ``MoEWeights.describe()`` /
   ``docs/layouts/moe_prepare_weights.md``.
 * :func:`moe_route` (``dsv4::moe_route``): DSV4 gate (sqrt(softplus) scores, bias only for
   selection, top-k, normalized weights * route_scale; hash layers: ``tid2eid[input_ids]``).
-* :func:`moe_permute` / :func:`moe_combine`: token permutation to the grouped layout
-  (``"contiguous"``: rows sorted by expert, per-expert offsets; ``"masked"``: ``[E, max_m]`` slots
-  with per-expert counts) and the un-permute + sum over the top-k rows of each token. Pure torch,
-  device-side, no host sync, no loop over experts (CUDA-graph capturable).
+* :func:`moe_permute` (``dsv4::moe_permute``) / :func:`moe_combine` (``dsv4::moe_combine``):
+  token permutation to the grouped layout (``"contiguous"``: rows sorted by expert, per-expert
+  offsets; ``"masked"``: ``[E, max_m]`` slots with per-expert counts) fused with act_quant, and
+  the un-permute + sum over the top-k rows of each token. Device-side, no host sync, no loop over
+  experts (CUDA-graph capturable). Route / permute / combine ("the glue") have CuTe DSL providers
+  in ``kernels_dsl/moe_glue.py`` (one launch each) and torch references in
+  ``dsv4/reference/moe.py``; out-of-range expert ids are dropped assignments, never a fault.
 * :func:`moe_gemm1_swiglu` (``dsv4::moe_gemm1_swiglu``): grouped GEMM1 (W13) + DSV4 clamped
   SwiGLU + routing weight (+ FP8 1x128 UE8M0 requant for W4A8).
 * :func:`moe_gemm2` (``dsv4::moe_gemm2``): grouped GEMM2 (W2), fp32 rows.
+  The two GEMM ops prefer ``cuda`` over ``dsl`` (``GEMM_KINDS``): the DSL kernels are correct on the
+  H200 within the precision contract but measured 1.6-9x slower (docs/benchmarks.md, 2026-12-01).
 * :func:`moe_forward`: the routed-expert layer (route -> permute -> GEMM1 -> GEMM2 -> combine).
 
 Formulas: dsv4_spec.md 2.5 (FLASH-REF model.py L546-645) and 2.1 (act_quant, fp4_gemm).
@@ -280,17 +287,19 @@ ROUTE_SPEC = OpSpec(
 
 
 def _ex_route(target):
-    return {"topk": 6, "hash": False, "device": target.device_type}
+    return {"topk": 6, "hash": False, "E": 256, "device": target.device_type}
 
 
-ROUTE_OP = register(Op("moe_route", ROUTE_SPEC, module="moe", example_problem=_ex_route))
+#: the layer glue ops (route, permute, combine) share the provider module ``moe_glue``
+#: (kernels_dsl/moe_glue.py, dsv4/reference/moe_glue.py)
+ROUTE_OP = register(Op("moe_route", ROUTE_SPEC, module="moe_glue", example_problem=_ex_route))
 
 
 @torch.library.custom_op("dsv4::moe_route", mutates_args=())
 def _moe_route_op(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor],
                   input_ids: Optional[torch.Tensor], tid2eid: Optional[torch.Tensor], topk: int,
                   route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = {"topk": topk, "hash": tid2eid is not None, "device": x.device.type}
+    problem = {"topk": topk, "hash": tid2eid is not None, "E": gate_weight.shape[0], "device": x.device.type}
     return ROUTE_OP.dispatch(problem, Target.of(x.device), x=x, gate_weight=gate_weight, bias=bias,
                              input_ids=input_ids, tid2eid=tid2eid, topk=topk, route_scale=route_scale)
 
@@ -314,13 +323,18 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, *, topk: int = 6, rout
         input_ids, tid2eid: hash layers: ``idx = tid2eid[input_ids]``; ``input_ids`` int32/int64
             ``[T]`` with values in ``[0, V)``; ``tid2eid`` int32/int64 ``[V, topk]`` with values
             (expert ids) in ``[0, E)``. The value ranges are NOT checked by default (that needs a
-            host sync): out-of-range ids raise a bare IndexError on CPU and a device-side assert
-            on CUDA. ``debug_check=True`` checks them on the host first (syncs).
+            host sync); bad values never fault: a slot whose ``input_ids`` value is outside
+            ``[0, V)`` or whose ``tid2eid`` value is outside ``[0, E)`` is a dropped assignment
+            (``topk_idx = -1``, ``topk_w = 0``; the token's other weights are normalized over its
+            valid slots), on every provider. ``debug_check=True`` raises instead (syncs).
         debug_check: host-side value checks of ``input_ids`` / ``tid2eid`` (syncs; off by default).
 
     Returns:
-        ``(topk_idx int32 [T, topk], topk_w float32 [T, topk])``; ``topk_idx`` values in ``[0, E)``;
-        ``topk_w`` uses the unbiased scores, rows sum to ``route_scale``.
+        ``(topk_idx int32 [T, topk], topk_w float32 [T, topk])``; ``topk_idx`` values in ``[0, E)``
+        (or -1: a dropped hash-layer slot, see above); ``topk_w`` uses the unbiased scores, rows
+        sum to ``route_scale``. Slots are ordered by decreasing selection score (``s + bias``;
+        ties: lower expert id first); hash layers: in ``tid2eid`` order. The weight sum is taken
+        in slot order.
 
     Raises:
         ValueError: ``topk`` not an int in ``[1, E]``, ``route_scale`` not a positive number, or
@@ -351,13 +365,14 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, *, topk: int = 6, rout
 
 
 # ------------------------------------------------------------------------------------------
-# permutation / combine (torch, device-side)
+# permutation / combine (registered ops; providers: kernels_dsl/moe_glue.py, dsv4/reference/moe.py)
 class MoEGrouped(NamedTuple):
     """Grouped activations: rows of expert e are ``[row_start[e], row_start[e] + row_count[e])``.
 
     ``a``: fp8 e4m3 ``[R, D]`` or bf16; ``a_s``: fp32 ``[R, D/128]`` (fp8) or None; ``row_start``,
     ``row_count``: int32 ``[E]``; ``route_w``: fp32 ``[R]`` routing weight of each row; ``pos``:
-    int64 ``[T*topk]`` row of each (token, slot) or -1 (masked layout, dropped: count > max_m).
+    int64 ``[T*topk]`` row of each (token, slot) or -1 (dropped: masked layout count > max_m, or
+    an expert id outside ``[0, E)``). Rows that hold no assignment are unspecified.
     """
 
     a: torch.Tensor
@@ -366,6 +381,113 @@ class MoEGrouped(NamedTuple):
     row_count: torch.Tensor
     route_w: torch.Tensor
     pos: torch.Tensor
+
+
+PERMUTE_SPEC = OpSpec(
+    name="moe_permute",
+    summary="Stable counting sort of the (token, slot) assignments by expert, fused with DSV4 act_quant "
+            "(FP8 E4M3 1x128, UE8M0 scales) and the gather into the grouped layout (contiguous / masked).",
+    inputs=(
+        TensorSpec("x", _X_DTYPES, ("T", "D"), doc="hidden states (D % 128 == 0 for act='fp8')"),
+        TensorSpec("topk_idx", (torch.int32, torch.int64), ("T", "K_TOP"), align=4,
+                   doc="expert id of each (token, slot); ids outside [0, E) are dropped assignments"),
+        TensorSpec("topk_w", torch.float32, ("T", "K_TOP"), align=4,
+                   doc="routing weights (other float dtypes are converted to fp32 first)"),
+    ),
+    outputs=(
+        TensorSpec("a", (torch.float8_e4m3fn, torch.bfloat16), ("R", "D"), output=True,
+                   doc="grouped rows; R = T * K_TOP (contiguous) or E * max_m (masked); row of assignment i "
+                       "= pos[i]; rows holding no assignment are unspecified"),
+        TensorSpec("a_s", torch.float32, ("R", "D // 128"), align=4, output=True,
+                   scale="fp32 per (row, 128 along D): UE8M0 powers of two (act_quant); empty [0] for bf16"),
+        TensorSpec("row_start", torch.int32, ("E",), align=4, output=True,
+                   doc="contiguous: exclusive prefix sum of row_count; masked: e * max_m"),
+        TensorSpec("row_count", torch.int32, ("E",), align=4, output=True,
+                   doc="valid assignments of expert e (masked: at most max_m)"),
+        TensorSpec("route_w", torch.float32, ("R",), align=4, output=True, doc="topk_w of each grouped row"),
+        TensorSpec("pos", torch.int64, ("T * K_TOP",), align=8, output=True,
+                   doc="grouped row of assignment i = t * K_TOP + j, or -1 (dropped)"),
+    ),
+    params=(Param("num_experts", "int", ">= 1", "E, the experts of the weights"),
+            Param("act", "str", "{'fp8', 'bf16'}", "W4A8 (act_quant to E4M3) or W4A16 (bf16 copy)"),
+            Param("layout", "str", "{'contiguous', 'masked'}", "grouped layout (DeepGEMM's two)"),
+            Param("max_m", "int", ">= 1", "masked: rows per expert; assignments past it are dropped")),
+    constraints=(),
+    formula="rows of expert e in assignment order (stable): contiguous row = row_start[e] + rank, masked row = "
+            "e * max_m + rank (dropped if rank >= max_m); a[row] = act_quant(x[t], 128, ue8m0) (fp8) or "
+            "bf16(x[t]); a_s[row] = its scales; route_w[row] = topk_w[t, j]; pos[t * K_TOP + j] = row",
+    source="DSV4 act_quant (dsv4_spec.md 2.1, bit-exact with dsv4.formats.quantize_fp8_block); grouped layouts as "
+           "DeepGEMM (contiguous / masked)",
+    notes="Bad expert ids (negative or >= E) never fault: they are dropped assignments (pos = -1, no row, not "
+          "counted), on every provider; moe_permute(debug_check=True) raises ValueError instead (host sync). "
+          "Contiguous layout with dropped ids: rows [sum(row_count), R) hold nothing.",
+)
+
+COMBINE_SPEC = OpSpec(
+    name="moe_combine",
+    summary="Un-permute + sum: out[t] = sum over the k slots of y[pos[t * k + j]] (fp32, slot order).",
+    inputs=(
+        TensorSpec("y", (torch.float32, torch.bfloat16, torch.float16), ("R", "D"),
+                   doc="grouped GEMM2 rows (moe_gemm2: fp32, routing weight already applied)"),
+        TensorSpec("pos", torch.int64, ("T * K_TOP",), align=8,
+                   doc="MoEGrouped.pos; values outside [0, R) (e.g. -1) add nothing"),
+    ),
+    outputs=(TensorSpec("out", OUT_DTYPES, ("T", "D"), output=True, doc="fp32 sum rounded once to out_dtype"),),
+    params=(Param("num_tokens", "int", ">= 0", "T"), Param("topk", "int", ">= 1", "K_TOP = topk_idx.shape[1]"),
+            Param("out_dtype", "torch.dtype", "float32, bfloat16, float16", "output dtype (default float32)")),
+    formula="acc = 0.0; for j in 0..K_TOP-1: acc += (0 <= pos[t*K_TOP+j] < R) ? y[pos[t*K_TOP+j]] : 0; out[t] = acc",
+    source="dsv4_spec.md 2.5 (MoE.forward: y[idx] += expert(x[idx]) * weights)",
+    notes="Deterministic: the fixed slot order, no atomics; the dsl and torch providers agree bit for bit.",
+)
+
+
+def _ex_permute(target):
+    return {"act": "fp8", "layout": "contiguous", "E": 256, "k": 6, "D": 4096, "device": target.device_type}
+
+
+def _ex_combine(target):
+    return {"k": 6, "D": 4096, "y_dtype": "float32", "out_dtype": "float32", "device": target.device_type}
+
+
+PERMUTE_OP = register(Op("moe_permute", PERMUTE_SPEC, module="moe_glue", example_problem=_ex_permute))
+COMBINE_OP = register(Op("moe_combine", COMBINE_SPEC, module="moe_glue", example_problem=_ex_combine))
+
+
+@torch.library.custom_op("dsv4::moe_permute", mutates_args=())
+def _moe_permute_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, act: str,
+                    layout: str, max_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor]:
+    problem = {"act": act, "layout": layout, "E": num_experts, "k": topk_idx.shape[1], "D": x.shape[1],
+               "device": x.device.type}
+    return PERMUTE_OP.dispatch(problem, Target.of(x.device), x=x, topk_idx=topk_idx, topk_w=topk_w,
+                               num_experts=num_experts, act=act, layout=layout, max_m=max_m)
+
+
+@_moe_permute_op.register_fake
+def _(x, topk_idx, topk_w, num_experts, act, layout, max_m):
+    T, D = x.shape
+    n = T * topk_idx.shape[1]
+    R = n if layout == "contiguous" else num_experts * max_m
+    fp8 = act == "fp8"
+    return (x.new_empty((R, D), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16),
+            x.new_empty((R, D // 128) if fp8 else (0,), dtype=torch.float32),
+            x.new_empty((num_experts,), dtype=torch.int32), x.new_empty((num_experts,), dtype=torch.int32),
+            x.new_empty((R,), dtype=torch.float32), x.new_empty((n,), dtype=torch.int64))
+
+
+@torch.library.custom_op("dsv4::moe_combine", mutates_args=())
+def _moe_combine_op(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    from ._common import dtype_name
+    problem = {"k": topk, "D": y.shape[1], "y_dtype": dtype_name(y.dtype), "out_dtype": dtype_name(out_dtype),
+               "device": y.device.type}
+    return COMBINE_OP.dispatch(problem, Target.of(y.device), y=y, pos=pos, num_tokens=num_tokens, topk=topk,
+                               out_dtype=out_dtype)
+
+
+@_moe_combine_op.register_fake
+def _(y, pos, num_tokens, topk, out_dtype):
+    return y.new_empty((num_tokens, y.shape[1]), dtype=out_dtype)
 
 
 def _check_routing(op: str, x, topk_idx, topk_w) -> None:
@@ -394,16 +516,18 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, n
 
     Args:
         x: bf16/fp16/fp32 ``[T, D]`` (``D % 128 == 0`` for ``act='fp8'``).
-        topk_idx: int32/int64 ``[T, k]`` expert ids; every value must be in ``[0, num_experts)``.
-            The range is NOT checked by default (that needs a host sync): an out-of-range id
-            raises a bare RuntimeError on CPU and a device-side assert on CUDA; pass
-            ``debug_check=True`` to check it on the host first.
-        topk_w: float ``[T, k]`` routing weights (applied later, in GEMM1).
+        topk_idx: int32/int64 ``[T, k]`` expert ids, meant to be in ``[0, num_experts)``. The
+            range is NOT checked by default (that needs a host sync); out-of-range ids never
+            fault: an id that is negative or ``>= num_experts`` is a dropped assignment
+            (``pos = -1``, no grouped row, not counted in ``row_count``; it contributes nothing to
+            :func:`moe_combine`), on every provider. ``debug_check=True`` raises instead.
+        topk_w: float ``[T, k]`` routing weights (applied later, in GEMM1; converted to fp32).
         num_experts: E, a Python int >= 1 (the experts of the weights, ``MoEWeights.E``).
         act: ``'fp8'`` (W4A8) or ``'bf16'`` (W4A16).
-        layout: ``'contiguous'`` (R = T*k rows sorted by expert, stable) or ``'masked'``
-            (R = E*max_m, expert e's rows start at e*max_m; assignments past max_m are dropped,
-            ``pos = -1``; choose ``max_m >= max count``, e.g. T for no drops).
+        layout: ``'contiguous'`` (R = T*k rows sorted by expert, stable: rows of an expert keep
+            assignment order ``t*k + j``) or ``'masked'`` (R = E*max_m, expert e's rows start at
+            e*max_m; assignments past max_m are dropped, ``pos = -1``; choose ``max_m >= max
+            count``, e.g. T for no drops).
         max_m: rows per expert for ``layout='masked'`` (an int >= 1); ignored for contiguous.
         debug_check: host-side check that ``topk_idx`` values are in ``[0, num_experts)`` (syncs).
 
@@ -411,7 +535,9 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, n
         :class:`MoEGrouped`: ``a`` float8_e4m3fn (fp8) or bf16 ``[R, D]``; ``a_s`` fp32
         ``[R, D/128]`` (UE8M0 powers of two, fp8) or None; ``row_start`` / ``row_count`` int32
         ``[E]``; ``route_w`` fp32 ``[R]``; ``pos`` int64 ``[T*k]`` (grouped row of each
-        (token, slot), -1 if dropped). No host sync (unless ``debug_check``); no loop over experts.
+        (token, slot), -1 if dropped). Rows holding no assignment (masked padding; contiguous
+        rows past ``sum(row_count)`` when ids were dropped) are unspecified. No host sync
+        (unless ``debug_check``); no loop over experts. Layout: ``docs/layouts/moe_permute.md``.
 
     Raises:
         ValueError: unknown ``act`` / ``layout``; ``num_experts`` / ``max_m`` not an int >= 1;
@@ -426,74 +552,42 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, n
     _check_routing("moe_permute", x, topk_idx, topk_w)
     E = _check_int("moe_permute", "num_experts", num_experts, 1)
     if layout == "masked":
-        _check_int("moe_permute", "max_m", max_m, 1, what="rows per expert, needed with layout='masked'")
+        max_m = _check_int("moe_permute", "max_m", max_m, 1, what="rows per expert, needed with layout='masked'")
+    else:
+        max_m = 0
     T, D = x.shape
     if act == "fp8" and D % 128:
         raise LayoutError(f"moe_permute: argument 'x' [T, D] needs D % 128 == 0 for act='fp8' (1x128 blocks), got D={D}")
-    k = topk_idx.shape[1]
     if debug_check and topk_idx.numel() and bool(((topk_idx < 0) | (topk_idx >= E)).any()):
         raise ValueError(f"moe_permute: argument 'topk_idx' has expert ids outside [0, num_experts={E}): "
                          f"min {int(topk_idx.min())}, max {int(topk_idx.max())}")
-    dev = x.device
-    flat_e = topk_idx.reshape(-1).long()
-    n = flat_e.numel()
-    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat_e, torch.ones_like(flat_e))
-    order = torch.sort(flat_e, stable=True).indices
-    sorted_e = flat_e[order]
-    starts = torch.cumsum(counts, 0) - counts
-    if act == "fp8":
-        from ..formats import quantize_fp8_block
-        xq, xs = quantize_fp8_block(x, 128, "ue8m0")
-    else:
-        xq, xs = x.to(torch.bfloat16), None
-    src_tok = order // k
-    if layout == "contiguous":
-        dest = torch.arange(n, device=dev)
-        R = n
-        row_start = starts.to(torch.int32)
-        row_count = counts.to(torch.int32)
-        valid = torch.ones(n, dtype=torch.bool, device=dev)
-    else:
-        rank = torch.arange(n, device=dev) - starts[sorted_e]
-        valid = rank < max_m
-        R = E * max_m
-        dest = torch.where(valid, sorted_e * max_m + rank, torch.full_like(rank, R))
-        row_start = (torch.arange(E, device=dev) * max_m).to(torch.int32)
-        row_count = counts.clamp(max=max_m).to(torch.int32)
-    xb = xq.view(torch.uint8) if xq.dtype == torch.float8_e4m3fn else xq  # byte view (bit exact)
-    a = torch.zeros((R + 1, D), dtype=xb.dtype, device=dev)
-    a.index_copy_(0, dest, xb.index_select(0, src_tok))
-    a = a[:R].view(xq.dtype)
-    a_s = None
-    if xs is not None:
-        a_s = torch.zeros((R + 1, D // 128), dtype=torch.float32, device=dev)
-        a_s.index_copy_(0, dest, xs.index_select(0, src_tok))
-        a_s = a_s[:R]
-    rw = torch.zeros(R + 1, dtype=torch.float32, device=dev)
-    rw.index_copy_(0, dest, topk_w.reshape(-1).float()[order])
-    pos = torch.empty(n, dtype=torch.int64, device=dev)
-    pos[order] = torch.where(valid, dest, torch.full_like(dest, -1))
-    return MoEGrouped(a, a_s, row_start, row_count, rw[:R], pos)
+    if topk_w.dtype != torch.float32:
+        topk_w = topk_w.float()
+    a, a_s, row_start, row_count, rw, pos = torch.ops.dsv4.moe_permute(x, topk_idx, topk_w, E, act, layout, max_m)
+    return MoEGrouped(a, a_s if act == "fp8" else None, row_start, row_count, rw, pos)
 
 
-def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
+def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int, *,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Un-permute and sum: ``out[t] = sum_j y[pos[t*k + j]]`` (rows with ``pos = -1`` add 0).
 
     The routing weight is already inside ``y`` (applied to h before GEMM2, as DSV4 does).
-    Deterministic gather + sum (no atomics, no host sync).
+    Deterministic gather + sum in slot order from 0.0, fp32 (no atomics, no host sync); the
+    providers agree bit for bit.
 
     Args:
         y: float ``[R, D]`` grouped GEMM2 rows (:func:`moe_gemm2`, fp32).
         pos: int64 ``[num_tokens * topk]`` grouped row of each (token, slot), ``-1`` = dropped
-            (``MoEGrouped.pos`` from :func:`moe_permute`); values must be in ``[-1, R)`` (not
-            checked: a device-side check would need a sync).
+            (``MoEGrouped.pos`` from :func:`moe_permute`). Values outside ``[0, R)`` are not
+            checked (that needs a sync) and never fault: they add nothing, like ``-1``.
         num_tokens: T, a Python int >= 0. topk: k, a Python int >= 1 (``topk_idx.shape[1]``).
+        out_dtype: float32 (default), bfloat16 or float16: the fp32 sum rounded once.
 
     Returns:
-        fp32 ``[T, D]``: sum over the k slots of each token, in slot order.
+        ``[T, D]`` of ``out_dtype``: sum over the k slots of each token, in slot order.
 
     Raises:
-        ValueError: ``num_tokens`` / ``topk`` not ints in range.
+        ValueError: ``num_tokens`` / ``topk`` not ints in range; ``out_dtype`` not a float dtype.
         LayoutError: ``y`` not a 2-D float tensor; ``pos`` not int64 ``[num_tokens * topk]`` or on
             another device.
 
@@ -501,6 +595,8 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int) 
     """
     T = _check_int("moe_combine", "num_tokens", num_tokens, 0)
     k = _check_int("moe_combine", "topk", topk, 1)
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"moe_combine: argument 'out_dtype' must be float32, bfloat16 or float16, got {out_dtype!r}")
     if not isinstance(y, torch.Tensor) or y.dim() != 2 or not y.dtype.is_floating_point:
         got = f"{str(y.dtype).replace('torch.', '')} {list(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__
         raise LayoutError(f"moe_combine: argument 'y' must be a float [R, D] tensor (moe_gemm2 output), got {got}")
@@ -511,10 +607,9 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int) 
                           f"(MoEGrouped.pos), got {got}; check num_tokens / topk")
     if pos.device != y.device:
         raise LayoutError(f"moe_combine: argument 'pos' is on {pos.device}, 'y' on {y.device}")
-    num_tokens, topk = T, k
-    rows = y.index_select(0, pos.clamp(min=0))
-    rows = torch.where((pos >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-    return rows.view(num_tokens, topk, y.shape[1]).float().sum(1)
+    if y.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        y = y.float()
+    return torch.ops.dsv4.moe_combine(y, pos, T, k, out_dtype)
 
 
 # ------------------------------------------------------------------------------------------
@@ -568,29 +663,43 @@ GEMM2_SPEC = OpSpec(
 
 
 def _ex_gemm(target):
-    return {"fmt": "mxfp4", "act": "fp8", "E": 256, "N": 4096, "K": 4096, "device": target.device_type}
+    return {"fmt": "mxfp4", "act": "fp8", "E": 256, "N": 4096, "K": 4096, "R": 24576, "max_m": None,
+            "device": target.device_type}
 
 
-GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", example_problem=_ex_gemm))
-GEMM2_OP = register(Op("moe_gemm2", GEMM2_SPEC, module="moe", example_problem=_ex_gemm))
+#: provider preference of the grouped GEMMs: the CUDA kernels (moe.cu v4 / v3, moe_decode.cu) first
+#: because they are measured faster on the H200 than the CuTe DSL grouped GEMM (kernels_dsl/moe.py,
+#: correct within the contract there: job moegemm-03, 2026-12-01; 1.6-9x slower, numbers in the
+#: kernels_cuda/moe.py docstring),
+#: which runs when forced (``registry.use(moe_gemm1_swiglu="dsl")`` / ``DSV4_OPS``).
+GEMM_KINDS = ("cuda", "dsl", "torch")
+GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))
+GEMM2_OP = register(Op("moe_gemm2", GEMM2_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))
 
 
 def _act_of(a: torch.Tensor) -> str:
     return "fp8" if a.dtype == torch.float8_e4m3fn else "bf16"
 
 
+def _gemm_problem(a: torch.Tensor, w: torch.Tensor, fmt: str, max_m: Optional[int]) -> dict:
+    """Dispatch problem of the grouped GEMMs: formats, sizes, grouped rows ``R`` and the
+    scheduling hint ``max_m`` (largest rows per expert; None = unknown, the kernels assume
+    ``R / E``). ``R`` / ``max_m`` only select kernel configurations (shown by ``explain()``)."""
+    return {"fmt": fmt, "act": _act_of(a), "E": w.shape[0], "N": w.shape[1], "K": a.shape[1], "R": a.shape[0],
+            "max_m": None if max_m is None or max_m < 0 else int(max_m), "device": a.device.type}
+
+
 @torch.library.custom_op("dsv4::moe_gemm1_swiglu", mutates_args=())
 def _gemm1_op(a: torch.Tensor, a_s: Optional[torch.Tensor], w13: torch.Tensor, w13_scale: torch.Tensor,
               g13: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, route_w: torch.Tensor,
-              fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = {"fmt": fmt, "act": _act_of(a), "E": w13.shape[0], "N": w13.shape[1], "K": a.shape[1],
-               "device": a.device.type}
+              fmt: str, max_m: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = _gemm_problem(a, w13, fmt, max_m)
     return GEMM1_OP.dispatch(problem, Target.of(a.device), a=a, a_s=a_s, w13=w13, w13_scale=w13_scale, g13=g13,
                              row_start=row_start, row_count=row_count, route_w=route_w)
 
 
 @_gemm1_op.register_fake
-def _(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt):
+def _(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt, max_m=-1):
     R, I = a.shape[0], w13.shape[1] // 2
     if a.dtype == torch.float8_e4m3fn:
         return a.new_empty((R, I)), a.new_empty((R, I // 128), dtype=torch.float32)
@@ -599,15 +708,15 @@ def _(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt):
 
 @torch.library.custom_op("dsv4::moe_gemm2", mutates_args=())
 def _gemm2_op(h: torch.Tensor, h_s: Optional[torch.Tensor], w2: torch.Tensor, w2_scale: torch.Tensor,
-              g2: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, fmt: str) -> torch.Tensor:
-    problem = {"fmt": fmt, "act": _act_of(h), "E": w2.shape[0], "N": w2.shape[1], "K": h.shape[1],
-               "device": h.device.type}
+              g2: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, fmt: str,
+              max_m: int = -1) -> torch.Tensor:
+    problem = _gemm_problem(h, w2, fmt, max_m)
     return GEMM2_OP.dispatch(problem, Target.of(h.device), h=h, h_s=h_s, w2=w2, w2_scale=w2_scale, g2=g2,
                              row_start=row_start, row_count=row_count)
 
 
 @_gemm2_op.register_fake
-def _(h, h_s, w2, w2_scale, g2, row_start, row_count, fmt):
+def _(h, h_s, w2, w2_scale, g2, row_start, row_count, fmt, max_m=-1):
     return h.new_empty((h.shape[0], w2.shape[1]), dtype=torch.float32)
 
 
@@ -618,12 +727,25 @@ def _check_act_scale(op: str, a, a_s, name: str) -> None:
         raise LayoutError(f"{op}: argument '{name}_s' must be None for bf16 '{name}' (W4A16)")
 
 
-def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_hint(op: str, max_m) -> int:
+    if max_m is None:
+        return -1
+    return _check_int(op, "max_m", max_m, 0, what="scheduling hint: the largest rows of one expert")
+
+
+def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped GEMM1 + clamped SwiGLU + routing weight (+ FP8 requant).
 
     Args:
         g: :class:`MoEGrouped` from :func:`moe_permute` (fp8 or bf16 activations).
         w: :class:`MoEWeights` from :func:`moe_prepare_weights`.
+        max_m: optional scheduling hint, the largest ``row_count`` of any expert (the masked
+            layout's ``max_m``; DeepGEMM's ``expected_m_per_group``). Only the kernel
+            configuration (token tile) depends on it, never the result; None = ``R / E``.
+
+    Precision (dsl provider, W4A8): FP8 WGMMA per 128-K block promoted into fp32 (DeepGEMM
+    style), weights decoded exactly (MXFP4 while a row's scales span <= 14 binades, NVFP4 through
+    the hi + lo E4M3 split); ``h`` is rounded through bf16 and DSV4 act_quant like the reference.
 
     Returns:
         ``(h, h_s)``: fp8 path: ``h`` float8_e4m3fn ``[R, I]``, ``h_s`` fp32 ``[R, I/128]``
@@ -638,10 +760,11 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights) -> tuple[torch.Tensor, torch.
                          "row_start": g.row_start, "row_count": g.row_count, "route_w": g.route_w},
                         symbols={"SF": FORMATS[w.fmt], "I": w.I})
     return torch.ops.dsv4.moe_gemm1_swiglu(g.a, g.a_s, w.w13, w.w13_scale, w.g13, g.row_start, g.row_count,
-                                           g.route_w, w.fmt)
+                                           g.route_w, w.fmt, _check_hint("moe_gemm1_swiglu", max_m))
 
 
-def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: MoEWeights) -> torch.Tensor:
+def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: MoEWeights, *,
+              max_m: Optional[int] = None) -> torch.Tensor:
     """Grouped GEMM2 (down-proj): ``y[r] = g2[e] * (h[r] * h_s) @ W2[e]^T`` in fp32.
 
     Args:
@@ -649,6 +772,11 @@ def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: Mo
         h_s: fp32 ``[R, I/128]`` UE8M0 power-of-two scales (fp8), or None / empty (bf16).
         g: :class:`MoEGrouped` (row_start / row_count int32 ``[E]``) from :func:`moe_permute`.
         w: :class:`MoEWeights` from :func:`moe_prepare_weights`.
+        max_m: optional scheduling hint (largest ``row_count``), as :func:`moe_gemm1_swiglu`.
+
+    Precision contract (dsl provider): relative (Frobenius) error vs the exact-dequant fp32
+    reference on the same ``h`` <= 5e-3 under W4A8 (NVFP4 included), <= 1e-5 under W4A16
+    (tests/test_moe.py).
 
     Returns:
         fp32 ``[R, D]``: row r of expert e is its down-projection (routing weight already in
@@ -665,7 +793,8 @@ def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: Mo
     _check_act_scale("moe_gemm2", h, h_s, "h")
     GEMM2_SPEC.validate({"h": h, "h_s": h_s, "w2": w.w2, "w2_scale": w.w2_scale, "g2": w.g2,
                          "row_start": g.row_start, "row_count": g.row_count}, symbols={"SF": FORMATS[w.fmt]})
-    return torch.ops.dsv4.moe_gemm2(h, h_s, w.w2, w.w2_scale, w.g2, g.row_start, g.row_count, w.fmt)
+    return torch.ops.dsv4.moe_gemm2(h, h_s, w.w2, w.w2_scale, w.g2, g.row_start, g.row_count, w.fmt,
+                                    _check_hint("moe_gemm2", max_m))
 
 
 def _check_weights(op: str, w, x: Optional[torch.Tensor] = None) -> None:
@@ -689,8 +818,9 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w
 
     Args:
         x: bf16/fp16/fp32 ``[T, D]`` hidden states, ``D = w.D``.
-        topk_idx: int32/int64 ``[T, k]`` expert ids (e.g. from :func:`moe_route`); every value
-            must be in ``[0, w.E)`` (not checked unless ``debug_check``: see :func:`moe_permute`).
+        topk_idx: int32/int64 ``[T, k]`` expert ids (e.g. from :func:`moe_route`) in ``[0, w.E)``;
+            an id outside it is a dropped assignment that contributes nothing (not checked, never
+            faults; ``debug_check`` raises instead: see :func:`moe_permute`).
         topk_w: float ``[T, k]`` routing weights (already normalized and scaled by route_scale).
         w: :class:`MoEWeights` from :func:`moe_prepare_weights` (``E`` experts, sizes ``I``, ``D``).
         act: ``'fp8'`` (W4A8: act_quant 1x128 UE8M0, FP8 WGMMA) or ``'bf16'`` (W4A16).
@@ -710,10 +840,16 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w
     Source: dsv4_spec.md 2.5 (FLASH-REF model.py MoE / Expert).
     """
     _check_weights("moe_experts", w, x if isinstance(x, torch.Tensor) else None)
+    return _experts(x, topk_idx, topk_w, w, act, layout, max_m, debug_check, torch.float32)
+
+
+def _experts(x, topk_idx, topk_w, w, act, layout, max_m, debug_check, out_dtype):
+    """permute -> GEMM1 + SwiGLU -> GEMM2 -> combine (rounded once to ``out_dtype``)."""
     g = moe_permute(x, topk_idx, topk_w, w.E, act=act, layout=layout, max_m=max_m, debug_check=debug_check)
-    h, h_s = moe_gemm1_swiglu(g, w)
-    y = moe_gemm2(h, h_s, g, w)
-    return moe_combine(y, g.pos, x.shape[0], topk_idx.shape[1])
+    hint = max_m if layout == "masked" else None     # GEMM scheduling hint: largest rows per expert
+    h, h_s = moe_gemm1_swiglu(g, w, max_m=hint)
+    y = moe_gemm2(h, h_s, g, w, max_m=hint)
+    return moe_combine(y, g.pos, x.shape[0], topk_idx.shape[1], out_dtype=out_dtype)
 
 
 def moe_forward(x: torch.Tensor, w: MoEWeights, gate_weight: torch.Tensor, *, topk: int = 6,
@@ -728,12 +864,12 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, gate_weight: torch.Tensor, *, to
         w: :class:`MoEWeights` (``E`` experts).
         gate_weight: bf16/fp32 ``[E, D]`` router weight; ``E`` must equal ``w.E``.
         topk, route_scale, bias, input_ids, tid2eid: router arguments, as :func:`moe_route`
-            (``tid2eid`` values must be in ``[0, E)``).
+            (hash layers: a bad ``input_ids`` / ``tid2eid`` value drops that slot, never faults).
         act, layout, max_m: as :func:`moe_permute`.
         out_dtype: floating output dtype: float32 (default), bfloat16 or float16.
 
     Returns:
-        ``[T, D]`` of ``out_dtype`` (computed in fp32, rounded once).
+        ``[T, D]`` of ``out_dtype`` (computed in fp32, rounded once, inside :func:`moe_combine`).
 
     Raises:
         TypeError: ``out_dtype`` is not a torch.dtype.
@@ -756,7 +892,7 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, gate_weight: torch.Tensor, *, to
                           f"[E, D] with E = w.E = {w.E} (the experts of the weights)")
     idx, wt = moe_route(x, gate_weight, topk=topk, route_scale=route_scale, bias=bias, input_ids=input_ids,
                         tid2eid=tid2eid)
-    return moe_experts(x, idx, wt, w, act=act, layout=layout, max_m=max_m).to(out_dtype)
+    return _experts(x, idx, wt, w, act, layout, max_m, False, out_dtype)
 
 
 __all__ = ["moe_prepare_weights", "moe_route", "moe_permute", "moe_combine", "moe_gemm1_swiglu", "moe_gemm2",
@@ -764,9 +900,10 @@ __all__ = ["moe_prepare_weights", "moe_route", "moe_permute", "moe_combine", "mo
 
 
 def graph_cases(device) -> list:
-    """CUDA-graph cases: router, and GEMM1 + SwiGLU / GEMM2 on a fixed grouping (MXFP4, FP8
-    activations, contiguous layout). ``moe_prepare_weights`` is an offline, load-time weight
-    conversion and is not meant for graphs (see NOT_GRAPH_OPS)."""
+    """CUDA-graph cases: router, permutation (fp8 contiguous, bf16 masked), combine, and GEMM1 +
+    SwiGLU / GEMM2 on a fixed grouping (MXFP4, FP8 activations, contiguous layout).
+    ``moe_prepare_weights`` is an offline, load-time weight conversion and is not meant for graphs
+    (see NOT_GRAPH_OPS)."""
     from ..formats import quantize_mxfp4
     from ._common import GraphCase, bytes_of
     dev = torch.device(device)
@@ -806,7 +943,27 @@ def graph_cases(device) -> list:
         g = moe_permute(x, idx, tw, E, act="fp8", layout="contiguous")
         h, hs = moe_gemm1_swiglu(g, W)
         return moe_combine(moe_gemm2(h, hs, g, W), g.pos, T, k)
+    def permute(act, layout):
+        g = moe_permute(x, idx, tw, E, act=act, layout=layout, max_m=T)
+        keep = g.pos.clamp_min(0)                # rows holding no assignment are unspecified
+        rows = [g.a.view(torch.uint8)[keep], g.route_w[keep]] + ([g.a_s[keep]] if g.a_s is not None else [])
+        return bytes_of(g.row_start, g.row_count, g.pos, *rows)
+
+    y = torch.empty(T * k, D, dtype=torch.float32, device=dev)
+    pos = torch.empty(T * k, dtype=torch.int64, device=dev)
+
+    def refresh_all():
+        refresh()
+        y.copy_(torch.randn(T * k, D, generator=gen))
+        p = torch.randperm(T * k, generator=gen)
+        p[::7] = -1                              # dropped assignments
+        pos.copy_(p)
+    refresh_all()
     return [GraphCase("moe_route", "moe_route", lambda: bytes_of(*moe_route(x, gw, topk=k, bias=bias)), refresh),
+            GraphCase("moe_permute-fp8-contiguous", "moe_permute", lambda: permute("fp8", "contiguous"), refresh),
+            GraphCase("moe_permute-bf16-masked", "moe_permute", lambda: permute("bf16", "masked"), refresh),
+            GraphCase("moe_combine-bf16", "moe_combine",
+                      lambda: moe_combine(y, pos, T, k, out_dtype=torch.bfloat16), refresh_all),
             GraphCase("moe_gemm1_swiglu-mxfp4-fp8", "moe_gemm1_swiglu", gemm1, refresh),
             GraphCase("moe_gemm2-mxfp4-fp8", "moe_gemm2", gemm2, refresh)]
 

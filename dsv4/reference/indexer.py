@@ -21,8 +21,10 @@ first, then all scale bytes (vLLM ``DeepseekV4Indexer`` / DeepGEMM ``kv_cache_sf
     values of token j in block b at byte  b*block_size*BPT + j*VB
     scales of token j in block b at byte  b*block_size*BPT + block_size*VB + j*SB
 
-Hadamard (optional, the DSV4 reference rotates q and K): ``x -> (H_128 x) * 128^-0.5`` by
-:func:`dsv4.reference.hadamard.hadamard_fwht` (bit-exact with the CUDA ``fwht128``).
+Hadamard (optional, the DSV4 reference rotates q and K): ``x -> bf16((H_128 x) * 128^-0.5)``
+by :func:`dsv4.reference.hadamard.rotate_activation_ref` (the official ``rotate_activation``
+asserts a bf16 input and returns bf16; the rotated vector is rounded to bf16 ONCE, correctly,
+before it is quantized; bit-exact with the CUDA ``fwht128``).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch
 from ..formats import (dequantize_mxfp4, e2m1_decode, quantize_fp8_block,
                        quantize_mxfp4, quantize_nvfp4, unpack_e2m1)
 from ..registry import TorchProvider
-from .hadamard import hadamard_fwht
+from .hadamard import rotate_activation_ref
 
 __all__ = ["FORMATS", "HEADS", "DIM", "quantize_rows", "dequantize_rows", "cache_write_ref",
            "cache_split", "dequantize_cache", "q_quant_ref", "dequantize_q", "logits_ref",
@@ -44,7 +46,8 @@ FORMATS = {"mxfp4": (64, 4), "nvfp4": (64, 8), "fp8": (128, 4)}
 
 
 def _maybe_rotate(x: torch.Tensor, hadamard: bool) -> torch.Tensor:
-    return hadamard_fwht(x) if hadamard else x.float()
+    """fp32 values to quantize: ``bf16(Hadamard(x))`` (DSV4 ``rotate_activation``) or ``x``."""
+    return rotate_activation_ref(x).float() if hadamard else x.float()
 
 
 def quantize_rows(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None,
@@ -176,12 +179,14 @@ def logits_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, ks: torch.Tens
 
 
 def normalize_context_lens(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
-    """``[B, next_n]`` per-row lengths (returned as is) or ``[B]`` -> ``[B, next_n]`` by the MTP
-    rule ``len[b, i] = context_lens[b] - next_n + 1 + i`` (DeepGEMM paged MQA logits)."""
+    """Per-row lengths ``[B, next_n]``: returned as is when given ``[B, next_n]`` (explicit
+    per-row lengths, e.g. DeepGEMM's MTP token rule ``len - next_n + 1 + i``); a ``[B]`` tensor
+    means that every one of the ``next_n`` rows of batch ``b`` sees ``context_lens[b]``
+    committed entries (DSV4 decode over compressed C4 entries: the MTP tokens of a step share
+    the entries committed before the step), i.e. it is broadcast along ``next_n``."""
     if context_lens.dim() == 2:
         return context_lens.to(torch.int32)
-    i = torch.arange(next_n, device=context_lens.device, dtype=torch.int32)
-    return (context_lens.to(torch.int32)[:, None] - next_n + 1 + i[None]).clamp_min(0)
+    return context_lens.to(torch.int32)[:, None].expand(-1, next_n)
 
 
 def paged_logits_ref(q: torch.Tensor, w: torch.Tensor, kcache_real: torch.Tensor, lens: torch.Tensor,

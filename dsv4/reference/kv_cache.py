@@ -31,7 +31,7 @@ from ..formats.e2m1 import e2m1_decode, unpack_e2m1
 from ..formats.mxfp4 import finite_absmax, quantize_mxfp4
 from ..formats.scales import ue8m0_ceil, ue8m0_decode
 from ..registry import TorchProvider
-from .hadamard import hadamard_fwht
+from .hadamard import rotate_activation_ref
 from .rope import apply_rope
 
 __all__ = [
@@ -229,7 +229,7 @@ def compress_finish_ref(pooled, b, ratio, norm_weight, rope_cos_sin, eps=1e-6):
     rope = apply_rope(y[:, d - ROPE:], pos, rope_cos_sin).to(torch.bfloat16)
     y = torch.cat([y[:, : d - ROPE], rope], 1)
     if d == IDX_DIM:
-        y = hadamard_fwht(y).to(torch.bfloat16)
+        y = rotate_activation_ref(y)   # rotate_activation: bf16 in, bf16 out (one correct rounding)
     return y
 
 

@@ -7,6 +7,9 @@
   independent of ``moe_prepare_weights`` and of the grouped layouts, so it checks both.
 * :func:`gemm1_swiglu_ref` / :func:`gemm2_ref`: the grouped ops on the prepared layout
   (oracle providers: they loop over experts on the host and synchronize; never for production).
+* :func:`route_ref`, :func:`permute_ref`, :func:`combine_ref`: the layer glue (device-side torch,
+  no host sync, CUDA-graph capturable); the torch providers of ``moe_route`` / ``moe_permute`` /
+  ``moe_combine`` (registered through dsv4/reference/moe_glue.py).
 """
 from __future__ import annotations
 
@@ -62,17 +65,109 @@ def fold_fp4_weight_w4a8(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> t
 
 def route_ref(x, gate_weight, bias, input_ids, tid2eid, topk: int, route_scale: float):
     """DSV4 Gate: ``s = sqrt(softplus(x W^T))``; ``idx = topk(s + bias)`` or ``tid2eid[ids]``;
-    ``w = s[idx] / sum * route_scale`` (fp32)."""
+    ``w = s[idx] / sum * route_scale`` (fp32; the sum in slot order).
+
+    Hash layers: an ``input_ids`` value outside ``[0, V)`` or a ``tid2eid`` value outside
+    ``[0, E)`` gives a dropped slot (``idx = -1``, ``w = 0``; the other slots are normalized over
+    the valid ones); a token whose valid scores sum to 0 gets weights 0. Device-side, no sync."""
     logits = x.float() @ gate_weight.float().t()
     s = torch.sqrt(F.softplus(logits))
+    E = gate_weight.shape[0]
     if tid2eid is not None:
-        idx = tid2eid[input_ids.long()].long()
+        V = tid2eid.shape[0]
+        ids = input_ids.long()
+        ok_id = (ids >= 0) & (ids < V)
+        if V == 0:
+            e = torch.full((ids.shape[0], topk), -1, dtype=torch.int64, device=x.device)
+        else:
+            e = tid2eid[ids.clamp(0, V - 1)].long()
+        valid = ok_id.unsqueeze(1) & (e >= 0) & (e < E)
+        idx = torch.where(valid, e, torch.full_like(e, -1))
     else:
         sel = s + bias.float() if bias is not None else s
         idx = sel.topk(topk, dim=-1).indices
-    w = s.gather(1, idx)
-    w = w / w.sum(-1, keepdim=True) * route_scale
+        valid = torch.ones_like(idx, dtype=torch.bool)
+    w = s.gather(1, idx.clamp(0, E - 1))
+    w = torch.where(valid, w, torch.zeros_like(w))
+    tot = torch.zeros_like(w[:, 0])
+    for j in range(w.shape[1]):   # slot order (what the kernels do)
+        tot = tot + w[:, j]
+    keep = valid & (tot > 0).unsqueeze(1)
+    w = torch.where(keep, w / tot.unsqueeze(1) * route_scale, torch.zeros_like(w))
     return idx.to(torch.int32), w.float()
+
+
+def permute_ref(x, topk_idx, topk_w, num_experts: int, act: str, layout: str, max_m: int):
+    """Torch body of ``moe_permute`` (device-side, no host sync, no loop over experts).
+
+    Stable sort of the ``T * k`` assignments by expert (rows of an expert keep assignment order
+    ``t * k + j``); out-of-range expert ids (negative or ``>= num_experts``) are dropped
+    (``pos = -1``, no row, not counted). act='fp8': ``quantize_fp8_block(x, 128, 'ue8m0')``.
+    Rows holding no assignment are zero here (the contract leaves them unspecified).
+
+    Returns ``(a, a_s, row_start, row_count, route_w, pos)``; ``a_s`` is an empty fp32 ``[0]``
+    for act='bf16'."""
+    T, D = x.shape
+    k = topk_idx.shape[1]
+    E = num_experts
+    dev = x.device
+    flat = topk_idx.reshape(-1).long()
+    n = flat.numel()
+    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))   # dropped sort last
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    order = torch.sort(key, stable=True).indices
+    skey = key[order]
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n, device=dev) - starts[skey]
+    if layout == "contiguous":
+        R = n
+        valid = skey < E
+        dest = torch.arange(n, device=dev)
+        row_start = starts[:E].to(torch.int32)
+        row_count = counts[:E].to(torch.int32)
+    else:
+        R = E * max_m
+        valid = (skey < E) & (rank < max_m)
+        dest = skey * max_m + rank
+        row_start = (torch.arange(E, device=dev) * max_m).to(torch.int32)
+        row_count = counts[:E].clamp(max=max_m).to(torch.int32)
+    dest = torch.where(valid, dest, torch.full_like(dest, R))     # row R: scratch, dropped
+    if act == "fp8":
+        xq, xs = quantize_fp8_block(x, 128, "ue8m0")
+    else:
+        xq, xs = x.to(torch.bfloat16), None
+    src_tok = order // k
+    xb = xq.view(torch.uint8) if xq.dtype == torch.float8_e4m3fn else xq  # byte view (bit exact)
+    a = torch.zeros((R + 1, D), dtype=xb.dtype, device=dev)
+    a.index_copy_(0, dest, xb.index_select(0, src_tok))
+    a = a[:R].view(xq.dtype)
+    if xs is not None:
+        a_s = torch.zeros((R + 1, D // 128), dtype=torch.float32, device=dev)
+        a_s.index_copy_(0, dest, xs.index_select(0, src_tok))
+        a_s = a_s[:R]
+    else:
+        a_s = torch.empty(0, dtype=torch.float32, device=dev)
+    rw = torch.zeros(R + 1, dtype=torch.float32, device=dev)
+    rw.index_copy_(0, dest, topk_w.reshape(-1).float()[order])
+    pos = torch.empty(n, dtype=torch.int64, device=dev)
+    pos[order] = torch.where(valid, dest, torch.full_like(dest, -1))
+    return a, a_s, row_start, row_count, rw[:R], pos
+
+
+def combine_ref(y, pos, num_tokens: int, topk: int, out_dtype=torch.float32):
+    """Torch body of ``moe_combine``: ``out[t] = sum_j y[pos[t*k + j]]``, fp32, in slot order from
+    0.0 (a ``pos`` outside ``[0, R)`` adds 0), rounded once to ``out_dtype``."""
+    R, D = y.shape
+    valid = (pos >= 0) & (pos < R)
+    acc = torch.zeros((num_tokens, D), dtype=torch.float32, device=y.device)
+    if R == 0 or num_tokens == 0:
+        return acc.to(out_dtype)
+    rows = y.float().index_select(0, torch.where(valid, pos, torch.zeros_like(pos)))
+    rows = torch.where(valid.unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    rows = rows.view(num_tokens, topk, D)
+    for j in range(topk):
+        acc = acc + rows[:, j]
+    return acc.to(out_dtype)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
@@ -178,6 +273,22 @@ class TorchMoERoute(TorchProvider):
         return route_ref(x, gate_weight, bias, input_ids, tid2eid, topk, route_scale)
 
 
+class TorchMoEPermute(TorchProvider):
+    describe = "torch: stable sort + scatter_add counts + quantize_fp8_block + index_copy (device-side, no sync)"
+    support_reason = "torch, any device"
+
+    def run(self, problem, *, x, topk_idx, topk_w, num_experts, act, layout, max_m):
+        return permute_ref(x, topk_idx, topk_w, num_experts, act, layout, max_m)
+
+
+class TorchMoECombine(TorchProvider):
+    describe = "torch: index_select of the k rows + slot-order fp32 sum (device-side, no sync)"
+    support_reason = "torch, any device"
+
+    def run(self, problem, *, y, pos, num_tokens, topk, out_dtype):
+        return combine_ref(y, pos, num_tokens, topk, out_dtype)
+
+
 class TorchMoEPrepare(TorchProvider):
     describe = "torch: index_select tile reordering + .view(uint8) scale bytes"
     support_reason = "torch, any device"
@@ -201,5 +312,7 @@ class TorchMoEGemm2(TorchProvider):
         return gemm2_ref(h, h_s, w2, w2_scale, g2, row_start, row_count, problem["fmt"])
 
 
-PROVIDERS = {"moe_route": TorchMoERoute, "moe_prepare_weights": TorchMoEPrepare,
-             "moe_gemm1_swiglu": TorchMoEGemm1, "moe_gemm2": TorchMoEGemm2}
+#: the layer glue (moe_route, moe_permute, moe_combine) is registered under module ``moe_glue``:
+#: its torch providers are listed in dsv4/reference/moe_glue.py
+PROVIDERS = {"moe_prepare_weights": TorchMoEPrepare, "moe_gemm1_swiglu": TorchMoEGemm1, "moe_gemm2": TorchMoEGemm2}
+GLUE_PROVIDERS = {"moe_route": TorchMoERoute, "moe_permute": TorchMoEPermute, "moe_combine": TorchMoECombine}

@@ -1,0 +1,256 @@
+"""CuTe DSL providers of the Lightning Indexer logits ops (the default on sm_90a).
+
+* ``indexer_logits_paged`` (decode): :class:`kernels_dsl.indexer_paged.PagedLogitsKernel` --
+  persistent, device-side balanced schedule, bulk-copied pages, FP4 -> FP8 transform, FP8
+  WGMMA, ReLU x w head-sum epilogue. MXFP4 and FP8 keys, next_n 1..4.
+  Validated on the H200 (issue 13, GPU job idx-03: every format x next_n, block_size 128, one-hot
+  decode exact, graph capture; the contract numbers in docs/benchmarks.md).
+* ``indexer_logits`` (prefill): :class:`kernels_dsl.indexer_prefill.PrefillLogitsKernel` --
+  FP8 WGMMA over TMA-loaded keys shared by two math warpgroups; MXFP4 keys / queries first go
+  through :class:`kernels_dsl.indexer_fp8_rows.Fp8RowsKernel` (the same exponent fold, once per
+  row). Reachable through :func:`prefill_logits_dsl` only: compiled and compile-checked, NOT yet
+  run successfully on the H200, so not registered (the op keeps the exact CUDA BF16 kernel).
+
+NVFP4 keys stay on the ``cuda`` provider: an E2M1 x E4M3-scale product needs up to 6
+significand bits and is not an E4M3 value, so NVFP4 has no exact FP8 operand and rounding it
+to E4M3 would break the precision contract (dsv4/ops/indexer.py); the CUDA kernel decodes it
+exactly to BF16.
+
+Configs (:class:`PagedConfig`) are frozen dataclasses chosen by :func:`paged_config` from the
+format and next_n: ring depth from the shared-memory budget of ``ctas_per_sm`` CTAs per SM,
+``ctas_per_sm`` from the kernel's register count (ptxas, sm_90a, no spills: next_n 1: 128
+registers under the 3-CTA bound (mxfp4 and fp8); next_n 2..4: 165-168).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+from dsv4.registry import Support
+
+from ._compile import DslProvider, compile_cached, compile_options, dsl_target_support, launch_on
+
+__all__ = ["PagedConfig", "paged_config", "paged_smem_bytes", "DslPagedLogits", "prefill_logits_dsl", "PROVIDERS", "compile_check",
+           "PTX_PATTERNS"]
+
+#: what every compiled decode variant's PTX contains (tests/test_compile_dsl.py)
+PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3",
+                r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes",
+                r"mbarrier\.try_wait\.parity", r"fence\.proxy\.async")
+DSL_FORMATS = ("mxfp4", "fp8")
+SMEM_PER_SM = 228 * 1024          # H100 / H200: 228 KiB per SM, 1 KiB reserved per CTA
+MAX_SMEM_PER_CTA = 227 * 1024
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Decode kernel specialization: ring depth (64-key tiles in flight per CTA) and CTAs per SM."""
+    fmt: str
+    next_n: int
+    stages: int
+    ctas_per_sm: int
+
+
+def paged_smem_bytes(fmt: str, next_n: int, stages: int) -> int:
+    """Shared memory of one decode CTA (mirrors ``PagedLogitsKernel``'s ``Smem`` struct, with
+    alignment slack)."""
+    from .indexer_paged import RAW_BYTES, VB
+    raw = stages * RAW_BYTES[fmt]
+    rows = 64 * next_n
+    qraw = rows * VB[fmt] + (rows * 4 if fmt == "mxfp4" else 0) + rows * 4
+    small = 2 * 8 * stages + 16 + 32 + 4 * stages + rows * 4
+    return small + 128 + raw + 128 + qraw + 1024 + next_n * 8192
+
+
+def paged_config(fmt: str, next_n: int) -> PagedConfig:
+    """Heuristic: CTAs per SM from the register budget (3 for next_n = 1, else 2), then the
+    deepest ring (<= 12 tiles) that fits that many CTAs in 228 KiB."""
+    ctas = 3 if next_n == 1 else 2
+    budget = min(MAX_SMEM_PER_CTA, SMEM_PER_SM // ctas - 2048)
+    st = 2
+    for cand in range(12, 1, -1):
+        if paged_smem_bytes(fmt, next_n, cand) <= budget:
+            st = cand
+            break
+    return PagedConfig(fmt, next_n, st, ctas)
+
+
+def _paged_fake_args(cfg: PagedConfig):
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Uint8
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    sym = cute.sym_int32
+    q = make_fake_compact_tensor(Uint8, (sym(divisibility=16),), assumed_align=16)
+    qs = make_fake_compact_tensor(Uint8, (sym(divisibility=16),), assumed_align=16)
+    w = make_fake_compact_tensor(Float32, (sym(divisibility=4),), assumed_align=16)
+    c = make_fake_compact_tensor(Uint8, (sym(), sym(divisibility=16)), stride_order=(1, 0), assumed_align=16)
+    lens = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    bt = make_fake_compact_tensor(Int32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
+    out = make_fake_compact_tensor(Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
+    return (q, qs, w, c, lens, bt, out, Int32(1), Int32(1), Int32(64), Int32(64), Int32(132), make_fake_stream())
+
+
+def _compile_paged(cfg: PagedConfig, arch: str, extra: str = ""):
+    import cutlass.cute as cute
+
+    from .indexer_paged import PagedLogitsKernel
+    kern = PagedLogitsKernel(cfg.fmt, cfg.next_n, stages=cfg.stages, ctas_per_sm=cfg.ctas_per_sm)
+    return cute.compile(kern, *_paged_fake_args(cfg), options=compile_options(arch, extra))
+
+
+def compile_paged_all(dump_dir: Optional[str] = None, arch: str = "sm_90a", variants=None) -> dict[str, str]:
+    """Compile decode specializations (default: every fmt x next_n with the heuristic config) for
+    ``arch`` without a GPU; ``{"<fmt>-nn<k>": PTX}``."""
+    variants = variants or [(f, nn) for f in DSL_FORMATS for nn in (1, 2, 3, 4)]
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = dump_dir or tmp
+        os.makedirs(d, exist_ok=True)
+        for fmt, nn in variants:
+            fn = _compile_paged(paged_config(fmt, nn), arch, f"--keep-ptx --dump-dir {d}")
+            ptx = fn.__ptx__
+            if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
+                raise RuntimeError(f"no PTX text for indexer_paged {fmt}/nn{nn} (got {str(ptx)[:200]!r})")
+            res[f"{fmt}-nn{nn}"] = ptx
+    return res
+
+
+def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[str, str]:
+    """The provider's default decode specialization (MXFP4, next_n 1) through its config path
+    (tests/test_compile_dsl.py; every variant: kernels_dsl.indexer_paged.compile_check)."""
+    return compile_paged_all(dump_dir, arch, [("mxfp4", 1)])
+
+
+def _aligned(t, align: int = 16):
+    """``t`` contiguous with a data pointer aligned to ``align`` bytes (a copy only when needed)."""
+    t = t.contiguous()
+    if t.data_ptr() % align:
+        t = t.clone()
+    return t
+
+
+def _sm_count(device) -> int:
+    import torch
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _DslBase(DslProvider):
+
+    def _target(self, problem, target) -> Support | None:
+        no = dsl_target_support(target, "WGMMA kernels are compiled for sm_90a only")
+        if no is not None:
+            return no
+        if problem.get("fmt") == "nvfp4":
+            return Support.no("dsl: NVFP4 keys have no exact FP8 operand (E2M1 x E4M3 scale needs 6 significand "
+                              "bits); the cuda provider decodes them exactly to BF16")
+        if problem.get("fmt") not in DSL_FORMATS:
+            return Support.no(f"dsl: unknown fmt {problem.get('fmt')!r}")
+        return None
+
+
+class DslPagedLogits(_DslBase):
+    describe = ("CuTe DSL PagedLogitsKernel: persistent, device-balanced schedule, cp.async.bulk pages, "
+                "FP4->FP8 fold, WGMMA m64n64k32 E4M3, ReLU x w head sum")
+
+    def supports(self, problem, target):
+        no = self._target(problem, target)
+        if no is not None:
+            return no
+        if problem["block_size"] % 64:
+            return Support.no(f"dsl: block_size {problem['block_size']} is not a multiple of 64")
+        if not 1 <= problem["next_n"] <= 4:
+            return Support.no(f"dsl: next_n {problem['next_n']} outside 1..4")
+        return Support.yes("sm_90a, MXFP4 / FP8 keys, block_size % 64 == 0, next_n 1..4")
+
+    def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
+        import torch
+        from cutlass import Int32
+        from cutlass.cute.runtime import from_dlpack
+
+        from dsv4.target import Target
+        fmt = problem["fmt"]
+        B, nn = q_data.shape[:2]
+        max_ctx = problem["max_ctx"]
+        out = torch.empty((B * nn, max_ctx), dtype=torch.float32, device=q_data.device)
+        if B == 0 or max_ctx == 0:
+            return out
+        nb, bs = cache.shape[0], cache.shape[1]
+        if nb == 0:   # no page can be read: every logit is -inf
+            return out.fill_(float("-inf"))
+        cfg = paged_config(fmt, nn)
+        arch = Target.of(q_data.device).arch
+        fn = compile_cached(("indexer_paged", cfg, arch), lambda: _compile_paged(cfg, arch))
+        qd = _aligned(q_data).view(-1)
+        qs = _aligned(q_sf).view(-1) if fmt == "mxfp4" else qd
+        wv = _aligned(w).view(-1)
+        cv = _aligned(cache).view(nb, -1)
+        lv = lens.contiguous().view(-1)
+        btv = block_table.contiguous()
+
+        def t(x, align):
+            return from_dlpack(x, assumed_align=align).mark_layout_dynamic(leading_dim=x.dim() - 1)
+        grid = cfg.ctas_per_sm * _sm_count(q_data.device)
+        args = (t(qd, 16), t(qs, 16), t(wv, 16), t(cv, 16), t(lv, 4), t(btv, 4), t(out, 4),
+                Int32(B), Int32(nb), Int32(bs), Int32(max_ctx), Int32(grid))
+        launch_on(q_data.device, fn, *args)
+        return out
+
+
+def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxfp4"):
+    """Prefill indexer logits on the DSL kernels (kernels_dsl/indexer_prefill.py; MXFP4 rows folded
+    to FP8 first by kernels_dsl/indexer_fp8_rows.py); same arguments and result as
+    :func:`dsv4.ops.indexer.indexer_logits` for ``fmt`` in ``{"mxfp4", "fp8"}`` (CUDA tensors,
+    already validated by the op).
+
+    NOT a registered provider yet: the kernel compiles for sm_90a (CPU compile checks) but has not
+    passed its GPU tests on the H200 (issue 13: the device budget ran out; first item of the next
+    GPU job: ``pytest -m gpu tests/test_indexer_dsl.py -k prefill``). ``indexer_logits`` keeps the
+    exact CUDA BF16 kernel until then.
+    """
+    import torch
+    from cutlass import Float8E4M3FN, Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4.target import Target
+
+    from .indexer_fp8_rows import mxfp4_rows_to_fp8
+    from .indexer_prefill import compile_prefill
+    if fmt not in DSL_FORMATS:
+        raise ValueError(f"prefill_logits_dsl: fmt must be one of {DSL_FORMATS}, got {fmt!r}")
+    T, S = q_data.shape[0], k_data.shape[0]
+    out = torch.empty((T, S), dtype=torch.float32, device=q_data.device)
+    if T == 0 or S == 0:
+        return out
+    if fmt == "mxfp4":
+        q8, qsc = mxfp4_rows_to_fp8(q_data.reshape(T * 64, 64), q_sf.reshape(T * 64, 4))
+        k8, ksc = mxfp4_rows_to_fp8(k_data, k_sf)
+        qsc = qsc.view(T, 64)
+    else:
+        q8 = _aligned(q_data).view(T * 64, 128)
+        k8 = _aligned(k_data)
+        ksc = _aligned(k_sf).view(torch.float32).view(S)
+        qsc = None
+    has_qs = qsc is not None
+    arch = Target.of(q_data.device).arch
+    fn = compile_cached(("indexer_prefill", has_qs, arch), lambda: compile_prefill(has_qs, arch))
+
+    def fp8(x):
+        t = from_dlpack(x, assumed_align=16)
+        t.element_type = Float8E4M3FN
+        return t.mark_layout_dynamic(leading_dim=1)
+
+    def t(x, align):
+        return from_dlpack(x, assumed_align=align).mark_layout_dynamic(leading_dim=x.dim() - 1)
+    wv = _aligned(w)
+    units = -(-T // 4)
+    grid = min(units, _sm_count(q_data.device))
+    args = (fp8(q8), fp8(k8), t(ksc, 16), t(wv, 16), t(qsc if has_qs else wv, 16), t(ks.contiguous(), 4),
+            t(ke.contiguous(), 4), t(out, 4), Int32(grid))
+    launch_on(q_data.device, fn, *args)
+    return out
+
+
+#: indexer_logits (prefill) is not registered yet: see prefill_logits_dsl
+PROVIDERS = {"indexer_logits_paged": DslPagedLogits}

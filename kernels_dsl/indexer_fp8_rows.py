@@ -1,0 +1,145 @@
+"""CuTe DSL kernel: MXFP4 indexer rows -> FP8 (E4M3) rows + one fp32 power-of-two scale per row.
+
+The prefill indexer (kernels_dsl/indexer_prefill.py) multiplies every key tile with many query
+blocks, so MXFP4 keys (and queries) are converted once, here, into the operand format of the
+FP8 WGMMA instead of once per (query block, key tile) inside the GEMM. Same fold as the decode
+kernel (kernels_dsl/indexer_paged.py) and kernels_dsl.sm90.fp4:
+
+    row r: 128 E2M1 codes (64 B, element 2i in the low nibble) + 4 UE8M0 scales e_b (one per 32)
+    E = max_b e_b;  out[r, j] = E4M3(level_j * 2^(e_b(j) - E + 6))  (exact while e_b >= E - 14)
+    scale[r] = 2^(E - 133)   so that  out[r, j] * scale[r] == level_j * 2^(e_b(j) - 127)
+
+Mapping: one thread per 16-byte chunk of packed codes = one 32-code block (its own UE8M0 scale);
+``ld.global.nc.v4`` in, two 16-byte stores out, the scale word read once per thread (4 threads
+of a row read the same word). ``rows`` is symbolic: one compile serves every size.
+"""
+from __future__ import annotations
+
+try:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64, Uint8, Uint32
+
+    from .sm90 import fp4
+    _HAVE_DSL = True
+except Exception:  # noqa: BLE001
+    _HAVE_DSL = False
+
+__all__ = ["Fp8RowsKernel", "compile_check", "PTX_PATTERNS"]
+
+PTX_PATTERNS = (r"prmt\.b32", r"ld\.global\.nc\.v4\.(b|u)32", r"st\.global\.v4\.(b|u)32")
+THREADS = 256
+
+
+if _HAVE_DSL:
+
+    class Fp8RowsKernel:
+        """``__call__(mVals, mSf, mOut, mScale, stream)``:
+
+        * ``mVals``: Uint8 ``[rows, 64]`` packed E2M1 (row-major, 16 B aligned).
+        * ``mSf``: Uint8 ``[rows, 4]`` UE8M0 scales.
+        * ``mOut``: Uint8 ``[rows, 128]`` E4M3 bytes (16 B aligned).
+        * ``mScale``: Float32 ``[rows]`` per-row scale ``2^(E - 133)``.
+        """
+
+        @cute.jit
+        def __call__(self, mVals: cute.Tensor, mSf: cute.Tensor, mOut: cute.Tensor, mScale: cute.Tensor,
+                     stream: cuda.CUstream):
+            rows = mVals.shape[0]
+            n = Int64(rows) * 4
+            self.kernel(mVals, mSf, mOut, mScale).launch(
+                grid=[cute.ceil_div(n, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mVals: cute.Tensor, mSf: cute.Tensor, mOut: cute.Tensor, mScale: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            c = Int64(bidx) * THREADS + Int64(tidx)      # 16-byte chunk = (row, 32-code block qb)
+            rows = mVals.shape[0]
+            if c < Int64(rows) * 4:
+                r = c // 4
+                qb = Int32(c % 4)
+                ld16 = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=128, invariant=True)
+                src = cute.zipped_divide(mVals[(r, None)], (16,))
+                rv = cute.make_rmem_tensor((16,), Uint8)
+                cute.copy(ld16, src[(None, qb)], rv)
+                ld4 = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=32, invariant=True)
+                rs = cute.make_rmem_tensor((4,), Uint8)
+                cute.copy(ld4, mSf[(r, None)], rs)
+                u = cute.recast_tensor(rs, Uint32)[0]
+                e01 = cutlass.max(Int32(u & Uint32(0xFF)), Int32((u >> 8) & Uint32(0xFF)))
+                e23 = cutlass.max(Int32((u >> 16) & Uint32(0xFF)), Int32(u >> 24))
+                ek = cutlass.max(e01, e23)
+                d = Int32((u >> (Uint32(qb) * 8)) & Uint32(0xFF)) - ek + 6
+                lo, hi = fp4.e4m3_lut(d)
+                w = cute.recast_tensor(rv, Uint32)
+                ro = cute.make_rmem_tensor((8,), Uint32)
+                for j in cutlass.range_constexpr(4):
+                    o0, o1 = fp4.e2m1x8_to_e4m3x8(w[j], lo, hi)
+                    ro[2 * j] = o0
+                    ro[2 * j + 1] = o1
+                st16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
+                dst = cute.zipped_divide(cute.recast_tensor(mOut[(r, None)], Uint32), (4,))
+                rov = cute.zipped_divide(ro, (4,))
+                cute.copy(st16, rov[(None, 0)], dst[(None, 2 * qb)])
+                cute.copy(st16, rov[(None, 1)], dst[(None, 2 * qb + 1)])
+                if qb == 0:
+                    mScale[r] = fp4.ue8m0_to_f32(Uint32(ek)) * Float32(2.0 ** -6)
+
+
+def _fake_args():
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    rows = cute.sym_int32(symbol="rows")
+    v = make_fake_compact_tensor(Uint8, (rows, 64), stride_order=(1, 0), assumed_align=16)
+    s = make_fake_compact_tensor(Uint8, (rows, 4), stride_order=(1, 0), assumed_align=4)
+    o = make_fake_compact_tensor(Uint8, (rows, 128), stride_order=(1, 0), assumed_align=16)
+    sc = make_fake_compact_tensor(Float32, (rows,), assumed_align=4)
+    return v, s, o, sc, make_fake_stream()
+
+
+def compile_rows(arch: str, extra: str = ""):
+    from ._compile import compile_options
+    return cute.compile(Fp8RowsKernel(), *_fake_args(), options=compile_options(arch, extra))
+
+
+def compile_check(dump_dir=None, arch: str = "sm_90a") -> dict:
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        d = dump_dir or tmp
+        os.makedirs(d, exist_ok=True)
+        fn = compile_rows(arch, f"--keep-ptx --dump-dir {d}")
+        ptx = fn.__ptx__
+        if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
+            raise RuntimeError(f"no PTX text for indexer_fp8_rows (got {str(ptx)[:200]!r})")
+        return {"mxfp4-to-fp8": ptx}
+
+
+def mxfp4_rows_to_fp8(vals, sf):
+    """torch uint8 ``[rows, 64]`` + ``[rows, 4]`` (CUDA) -> (uint8 ``[rows, 128]`` E4M3 bytes,
+    fp32 ``[rows]`` scales) with the fold of the module docstring. One launch."""
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4.target import Target
+
+    from ._compile import compile_cached, current_stream
+    rows = vals.shape[0]
+    out = torch.empty((rows, 128), dtype=torch.uint8, device=vals.device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=vals.device)
+    if rows == 0:
+        return out, scale
+    vals = vals.contiguous()
+    sf = sf.contiguous()
+    if vals.data_ptr() % 16:
+        vals = vals.clone()
+    if sf.data_ptr() % 4:
+        sf = sf.clone()
+    arch = Target.of(vals.device).arch
+    fn = compile_cached(("indexer_fp8_rows", arch), lambda: compile_rows(arch))
+    def rows_dynamic(t, align):    # only the row count is symbolic in the compiled kernel
+        return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0)
+    fn(rows_dynamic(vals, 16), rows_dynamic(sf, 4), rows_dynamic(out, 16),
+       from_dlpack(scale, assumed_align=4).mark_layout_dynamic(leading_dim=0), current_stream())
+    return out, scale

@@ -1,0 +1,423 @@
+"""CuTe DSL prefill kernel of ``indexer_logits``: FP8 WGMMA over TMA-loaded keys, per-query
+``[ks, ke)`` ranges, one persistent launch for all packed sequences.
+
+Contract: docs/layouts/indexer_logits.md (``dsv4.ops.indexer.LOGITS_SPEC``)::
+
+    logits[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s])    ks[t] <= s < ke[t];  -inf elsewhere
+
+Operands (both formats of the op reach this kernel as FP8): queries E4M3 ``[T * 64, 128]``
+(+ an optional fp32 scale per (t, h) folded into w), keys E4M3 ``[S, 128]`` + one fp32 scale
+per key applied after the head sum. FP8 inputs are used as stored; MXFP4 inputs are converted
+once by kernels_dsl/indexer_fp8_rows.py (block scales folded relative to the row maximum).
+
+Kernel structure (own code; DeepGEMM ``sm90_fp8_mqa_logits`` is the peer):
+
+* 384 threads: warpgroup 0 = producer (``setmaxnreg.dec``; one thread issues every TMA load),
+  warpgroups 1-2 = math (``setmaxnreg.inc``). A work unit is 4 consecutive queries; math
+  warpgroup w owns 2 of them (the WGMMA B operand: 2 x 64 heads = N 128) and **both math
+  warpgroups consume the same 64-key tile**, so every key tile read from L2 serves 4 queries
+  (DeepGEMM splits the keys over its warpgroups instead and re-reads every key per 2 queries,
+  4 bytes of L2 traffic per kFLOP; here 1).
+* Persistent CTAs (one per SM) take units round-robin from the last query backwards (causal
+  prefill: the longest ranges first, the short ones balance the tail).
+* Per key tile: WGMMA m64n128k32 E4M3 x 4 (K = 128) into one of two accumulators; the
+  epilogue of tile j-1 (ReLU x w head sum on the CUDA cores, x the key scale, range mask,
+  store) runs while tile j's WGMMAs fly. Columns of the unit's rows outside the tiles it
+  computes are written -inf (the op's full [T, S] contract, no second pass).
+
+Constraints: 16-byte aligned q / k / key-scale base pointers (TMA); S, T any.
+"""
+from __future__ import annotations
+
+try:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float8E4M3FN, Float32, Int32
+    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+    from cutlass.memory import SmemAllocator
+    from cutlass.tensor_utils import LayoutEnum
+
+    from . import _indexer_ptx as ptx
+    _HAVE_DSL = True
+except Exception:  # noqa: BLE001
+    _HAVE_DSL = False
+
+__all__ = ["PrefillLogitsKernel", "BQ", "WGS", "QUNIT", "compile_check", "PTX_PATTERNS"]
+
+PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3",
+                r"cp\.async\.bulk\.tensor\.2d\.shared::(cta|cluster)\.global",
+                r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40", r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232",
+                r"mbarrier\.try_wait")
+TILE = 64          # keys per tile (WGMMA M)
+BQ = 2             # queries per math warpgroup (WGMMA N = 128)
+WGS = 2            # math warpgroups
+QUNIT = BQ * WGS   # queries per work unit
+THREADS = 128 * (1 + WGS)
+NEG_INF = float("-inf")
+PRODUCER_REGS = 40
+MATH_REGS = 232
+
+
+if _HAVE_DSL:
+
+    class PrefillLogitsKernel:
+        """``__call__(mQ, mK, mKs, mW, mQs, mKsIdx, mKeIdx, mOut, grid, stream)``:
+
+        * ``mQ``: Float8E4M3FN ``[T * 64, 128]`` (row t*64 + h), 16 B aligned.
+        * ``mK``: Float8E4M3FN ``[S, 128]``; ``mKs``: Float32 ``[S]`` key scales.
+        * ``mW``: Float32 ``[T, 64]``; ``mQs``: Float32 ``[T, 64]`` query scales (``has_qscale``)
+          or any fp32 tensor (unread).
+        * ``mKsIdx`` / ``mKeIdx``: Int32 ``[T]`` allowed range per query.
+        * ``mOut``: Float32 ``[T, S]`` row-major.
+        * ``grid``: Int32, persistent CTAs (the SM count).
+        """
+
+        def __init__(self, has_qscale: bool, stages: int = 6, q_stages: int = 2):
+            self.has_qscale = has_qscale
+            self.stages = stages
+            self.q_stages = q_stages
+
+        def make_mma(self):
+            return sm90_utils.make_trivial_tiled_mma(
+                Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+                tiler_mn=(TILE, BQ * 64))
+
+        @cute.jit
+        def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mKs: cute.Tensor, mW: cute.Tensor, mQs: cute.Tensor,
+                     mKsIdx: cute.Tensor, mKeIdx: cute.Tensor, mOut: cute.Tensor, grid: Int32,
+                     stream: cuda.CUstream):
+            tiled_mma = self.make_mma()
+            sK_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, BQ * 64, 128), Float8E4M3FN, self.stages)
+            sQ_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, BQ * 64, 128), Float8E4M3FN,
+                                                 self.q_stages * WGS)
+            sKs_l = cute.make_layout((TILE, self.stages))
+            tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK,
+                                                    cute.slice_(sK_l, (None, None, 0)), (TILE, 128))
+            tma_q, tQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ,
+                                                    cute.slice_(sQ_l, (None, None, 0)), (BQ * 64, 128))
+            tma_s, tS = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKs,
+                                                    cute.slice_(sKs_l, (None, 0)), (TILE,))
+            S, QS = self.stages, self.q_stages
+
+            @cute.struct
+            class Smem:
+                kfull: cute.struct.MemRange[cutlass.Int64, S]
+                kempty: cute.struct.MemRange[cutlass.Int64, S]
+                qfull: cute.struct.MemRange[cutlass.Int64, QS]
+                qempty: cute.struct.MemRange[cutlass.Int64, QS]
+                ks: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sKs_l)], 128]
+                sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_l)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_l)], 1024]
+
+            self.smem = Smem
+            self.kernel(tma_k, tK, tma_q, tQ, tma_s, tS, mW, mQs, mKsIdx, mKeIdx, mOut, tiled_mma,
+                        sK_l, sQ_l, sKs_l).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream,
+                                                  min_blocks_per_mp=1)
+
+        # ------------------------------------------------------------------ helpers
+        @cute.jit
+        def unit_range(self, mKsIdx: cute.Tensor, mKeIdx: cute.Tensor, u: Int32, T: Int32, S: Int32):
+            """Key tiles [tile0, tile1) covering the union of the ranges of unit u's queries."""
+            lo = S
+            hi = Int32(0)
+            for i in cutlass.range_constexpr(QUNIT):
+                t = u * QUNIT + i
+                if t < T:
+                    a = cutlass.max(cutlass.min(Int32(mKsIdx[t]), S), Int32(0))
+                    b = cutlass.max(cutlass.min(Int32(mKeIdx[t]), S), Int32(0))
+                    if b > a:
+                        lo = cutlass.min(lo, a)
+                        hi = cutlass.max(hi, b)
+            tile0 = lo // TILE
+            tile1 = (hi + (TILE - 1)) // TILE
+            if hi <= lo:
+                tile0 = Int32(0)
+                tile1 = Int32(0)
+            return tile0, tile1
+
+        @cute.jit
+        def head_sum(self, acc: cute.Tensor, rW: cute.Tensor, r: int):
+            """ReLU x w over this thread's 16 heads of query row r (accumulator registers 32 r ..
+            32 r + 31), then over the quad: (v0, v1) for keys m0 and m0 + 8."""
+            s = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+            for k in cutlass.range_constexpr(32):
+                i = 32 * r + k
+                half = (i >> 1) & 1
+                par = i & 1
+                wj = ((i >> 2) % 8) * 2 + par
+                s[2 * half + par] = s[2 * half + par] + cute.arch.fmax(acc[i], Float32(0.0)) * rW[r * 16 + wj]
+            v0 = s[0] + s[1]
+            v1 = s[2] + s[3]
+            for off in cutlass.range_constexpr(2):
+                v0 = v0 + cute.arch.shuffle_sync_bfly(v0, offset=1 << off)
+                v1 = v1 + cute.arch.shuffle_sync_bfly(v1, offset=1 << off)
+            return v0, v1
+
+        def mma_tile(self, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, ks: Int32, qb: Int32, n_kb: int):
+            """The 4 k32 WGMMAs of one key tile (A stage ``ks``) x this warpgroup's queries (B
+            stage ``qb``) into a fresh accumulator. Traced inline (fresh atom per call site)."""
+            tm = self.make_mma()
+            warpgroup.fence()
+            for kb in range(n_kb):
+                tm.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(tm, acc, tCrA[(None, None, kb, ks)], tCrB[(None, None, kb, qb)], acc)
+            warpgroup.commit_group()
+
+        @cute.jit
+        def epilogue(self, acc: cute.Tensor, rW: cute.Tensor, rLo: cute.Tensor, rHi: cute.Tensor, mOut: cute.Tensor,
+                     t0: Int32, tile: Int32, ks_addr: Int32, m0: Int32, q4: Int32, T: Int32, S: Int32):
+            ksc0 = ptx.ld_shared_f32(ks_addr + m0 * 4)
+            ksc1 = ptx.ld_shared_f32(ks_addr + (m0 + 8) * 4)
+            for r in cutlass.range_constexpr(BQ):
+                v0, v1 = self.head_sum(acc, rW, r)
+                v = cutlass.select_(q4 == 1, v1 * ksc1, v0 * ksc0)
+                s = tile * TILE + m0 + 8 * q4
+                t = t0 + r
+                if (q4 < 2) & (s < S) & (t < T):
+                    ok = (s >= rLo[r]) & (s < rHi[r])
+                    mOut[t, s] = cutlass.select_(ok, v, Float32(NEG_INF))
+
+        @cute.jit
+        def advance(self, stage: Int32, phase: Int32):
+            stage = stage + 1
+            if stage == self.stages:
+                stage = Int32(0)
+                phase = phase ^ 1
+            return stage, phase
+
+        @cute.jit
+        def step(self, acc_new: cute.Tensor, acc_old: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, qb: Int32,
+                 n_kb: cutlass.Constexpr, prev: Int32, stage: Int32, phase: Int32, kfull: Int32, kempty: Int32,
+                 ks_base: Int32, rW: cute.Tensor, rLo: cute.Tensor, rHi: cute.Tensor, mOut: cute.Tensor, t0: Int32,
+                 old_tile: Int32, m0: Int32, q4: Int32, lane: Int32, T: Int32, S: Int32):
+            """Issue the next tile's WGMMAs into ``acc_new`` (ring stage ``stage``), then finish the
+            previous tile (``acc_old``, stage ``prev``): wait for it, epilogue, release its stage."""
+            ptx.mbar_wait(kfull + 8 * stage, phase)
+            self.mma_tile(acc_new, tCrA, tCrB, stage, qb, n_kb)
+            warpgroup.wait_group(1)
+            self.epilogue(acc_old, rW, rLo, rHi, mOut, t0, old_tile, ks_base + prev * (TILE * 4), m0, q4, T, S)
+            cute.arch.sync_warp()
+            if lane == 0:
+                ptx.mbar_arrive(kempty + 8 * prev)
+            new_prev = stage
+            stage, phase = self.advance(stage, phase)
+            return new_prev, stage, phase
+
+        # ------------------------------------------------------------------ kernel
+        @cute.kernel
+        def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_q: cute.CopyAtom, mQ: cute.Tensor,
+                   tma_s: cute.CopyAtom, mKs: cute.Tensor, mW: cute.Tensor, mQs: cute.Tensor, mKsIdx: cute.Tensor,
+                   mKeIdx: cute.Tensor, mOut: cute.Tensor, tiled_mma: cute.TiledMma, sK_l: cute.ComposedLayout,
+                   sQ_l: cute.ComposedLayout, sKs_l: cute.Layout):
+            tidx, _, _ = cute.arch.thread_idx()
+            cta, _, _ = cute.arch.block_idx()
+            G, _, _ = cute.arch.grid_dim()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+            lane = cute.arch.lane_idx()
+            S_st, QS = self.stages, self.q_stages
+            T = mOut.shape[0]
+            S = mOut.shape[1]
+            U = (T + (QUNIT - 1)) // QUNIT
+            n_my = Int32(0)
+            if cta < U:
+                n_my = (U - 1 - cta) // G + 1
+
+            st = SmemAllocator().allocate(self.smem)
+            kfull = st.kfull.data_ptr().toint()
+            kempty = st.kempty.data_ptr().toint()
+            qfull = st.qfull.data_ptr().toint()
+            qempty = st.qempty.data_ptr().toint()
+            ks_base = st.ks.data_ptr().toint()
+            if tidx == 0:
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_q)
+                cpasync.prefetch_descriptor(tma_s)
+                for i in cutlass.range_constexpr(S_st):
+                    ptx.mbar_init(kfull + 8 * i, 1)
+                    ptx.mbar_init(kempty + 8 * i, 4 * WGS)
+                for i in cutlass.range_constexpr(QS):
+                    ptx.mbar_init(qfull + 8 * i, 1)
+                    ptx.mbar_init(qempty + 8 * i, 4 * WGS)
+                ptx.mbar_fence_init()
+            cute.arch.sync_threads()
+            sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)
+            sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
+            sKs = st.ks.get_tensor(sKs_l)
+
+            if wg == 0:
+                # ======================= producer =======================
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp == 0:
+                    gK = cute.local_tile(mK, (TILE, 128), (None, None))
+                    gQ = cute.local_tile(mQ, (BQ * 64, 128), (None, None))
+                    gS = cute.local_tile(mKs, (TILE,), (None,))
+                    tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                     cute.group_modes(gK, 0, 2))
+                    tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                     cute.group_modes(gQ, 0, 2))
+                    tSs, tSg = cpasync.tma_partition(tma_s, 0, cute.make_layout(1), cute.group_modes(sKs, 0, 1),
+                                                     cute.group_modes(gS, 0, 1))
+                    kfull_p = st.kfull.data_ptr()
+                    qfull_p = st.qfull.data_ptr()
+                    stage = Int32(0)
+                    phase = Int32(0)
+                    qst = Int32(0)
+                    qph = Int32(0)
+                    for k in cutlass.range(n_my, unroll=1):
+                        u = U - 1 - cta - k * G
+                        tile0, tile1 = self.unit_range(mKsIdx, mKeIdx, u, T, S)
+                        ptx.mbar_wait(qempty + 8 * qst, qph ^ 1)
+                        if lane == 0:
+                            ptx.mbar_arrive_expect_tx(qfull + 8 * qst, WGS * BQ * 64 * 128)
+                            for w in cutlass.range_constexpr(WGS):
+                                cute.copy(tma_q, tQg[(None, u * WGS + w, 0)], tQs[(None, qst * WGS + w)],
+                                          tma_bar_ptr=qfull_p + qst)
+                        qst = qst + 1
+                        if qst == QS:
+                            qst = Int32(0)
+                            qph = qph ^ 1
+                        for tile in cutlass.range(tile0, tile1, unroll=1):
+                            ptx.mbar_wait(kempty + 8 * stage, phase ^ 1)
+                            if lane == 0:
+                                ptx.mbar_arrive_expect_tx(kfull + 8 * stage, TILE * 128 + TILE * 4)
+                                cute.copy(tma_k, tKg[(None, tile, 0)], tKs[(None, stage)], tma_bar_ptr=kfull_p + stage)
+                                cute.copy(tma_s, tSg[(None, tile)], tSs[(None, stage)], tma_bar_ptr=kfull_p + stage)
+                            stage = stage + 1
+                            if stage == S_st:
+                                stage = Int32(0)
+                                phase = phase ^ 1
+            else:
+                # ======================= math warpgroups =======================
+                cute.arch.setmaxregister_increase(MATH_REGS)
+                w = wg - 1
+                mt = tidx - 128 * wg                    # thread in this warpgroup
+                mwarp = warp - 4 * wg
+                thr = tiled_mma.get_slice(mt)
+                tCrA = tiled_mma.make_fragment_A(thr.partition_A(sK))
+                tCrB = tiled_mma.make_fragment_B(thr.partition_B(sQ))
+                acc_shape = thr.partition_C(cute.make_identity_tensor((TILE, BQ * 64))).shape
+                accs = (cute.make_rmem_tensor(acc_shape, Float32), cute.make_rmem_tensor(acc_shape, Float32))
+                rW = cute.make_rmem_tensor((BQ * 16,), Float32)
+                rLo = cute.make_rmem_tensor((BQ,), Int32)
+                rHi = cute.make_rmem_tensor((BQ,), Int32)
+                n_kb = cute.size(tCrA, mode=[2])
+                m0 = mwarp * 16 + lane // 4
+                q4 = lane % 4
+                stage = Int32(0)
+                phase = Int32(0)
+                qst = Int32(0)
+                qph = Int32(0)
+                for k in cutlass.range(n_my, unroll=1):
+                    u = U - 1 - cta - k * G
+                    tile0, tile1 = self.unit_range(mKsIdx, mKeIdx, u, T, S)
+                    t0 = u * QUNIT + w * BQ
+                    for r in cutlass.range_constexpr(BQ):
+                        t = t0 + r
+                        rLo[r] = Int32(0)
+                        rHi[r] = Int32(0)
+                        for j in cutlass.range_constexpr(16):
+                            rW[r * 16 + j] = Float32(0.0)
+                        if t < T:
+                            rLo[r] = Int32(mKsIdx[t])
+                            rHi[r] = Int32(mKeIdx[t])
+                            for j in cutlass.range_constexpr(16):
+                                hh = 8 * (j // 2) + 2 * q4 + (j % 2)
+                                wv = Float32(mW[t, hh])
+                                if cutlass.const_expr(self.has_qscale):
+                                    wv = wv * Float32(mQs[t, hh])
+                                rW[r * 16 + j] = wv
+                    qb = qst * WGS + w
+                    ptx.mbar_wait(qfull + 8 * qst, qph)
+                    ntiles = tile1 - tile0
+                    # software pipeline with two accumulators, unrolled by two so that every
+                    # accumulator is named statically: MMA(tile j) is in flight while the
+                    # epilogue of tile j-1 runs (ptxas never sees a read of a live accumulator)
+                    prev = stage
+                    if ntiles > 0:                       # every path below ends in wait_group(0)
+                        ptx.mbar_wait(kfull + 8 * stage, phase)
+                        self.mma_tile(accs[0], tCrA, tCrB, stage, qb, n_kb)
+                        stage, phase = self.advance(stage, phase)
+                        j = Int32(1)
+                        for _ in cutlass.range((ntiles - 1) // 2, unroll=1):
+                            prev, stage, phase = self.step(accs[1], accs[0], tCrA, tCrB, qb, n_kb, prev, stage, phase,
+                                                           kfull, kempty, ks_base, rW, rLo, rHi, mOut, t0,
+                                                           tile0 + j - 1, m0, q4, lane, T, S)
+                            prev, stage, phase = self.step(accs[0], accs[1], tCrA, tCrB, qb, n_kb, prev, stage, phase,
+                                                           kfull, kempty, ks_base, rW, rLo, rHi, mOut, t0, tile0 + j,
+                                                           m0, q4, lane, T, S)
+                            j = j + 2
+                        if (ntiles - 1) % 2 == 1:
+                            prev, stage, phase = self.step(accs[1], accs[0], tCrA, tCrB, qb, n_kb, prev, stage, phase,
+                                                           kfull, kempty, ks_base, rW, rLo, rHi, mOut, t0, tile1 - 2,
+                                                           m0, q4, lane, T, S)
+                            warpgroup.wait_group(0)
+                            self.epilogue(accs[1], rW, rLo, rHi, mOut, t0, tile1 - 1, ks_base + prev * (TILE * 4),
+                                          m0, q4, T, S)
+                        else:
+                            warpgroup.wait_group(0)
+                            self.epilogue(accs[0], rW, rLo, rHi, mOut, t0, tile1 - 1, ks_base + prev * (TILE * 4),
+                                          m0, q4, T, S)
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            ptx.mbar_arrive(kempty + 8 * prev)
+                    # release the query stage (every WGMMA reading it has completed)
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        ptx.mbar_arrive(qempty + 8 * qst)
+                    qst = qst + 1
+                    if qst == QS:
+                        qst = Int32(0)
+                        qph = qph ^ 1
+                    # columns of these rows outside the computed tiles: -inf
+                    c0 = cutlass.min(tile0 * TILE, S)
+                    c1 = cutlass.min(tile1 * TILE, S)
+                    for r in cutlass.range_constexpr(BQ):
+                        t = t0 + r
+                        if t < T:
+                            for col in cutlass.range(mt, c0, 128, unroll=1):
+                                mOut[t, col] = Float32(NEG_INF)
+                            for col in cutlass.range(c1 + mt, S, 128, unroll=1):
+                                mOut[t, col] = Float32(NEG_INF)
+
+
+def _fake_args(has_qscale: bool):
+    """Fake tensors: every extent symbolic (the launch marks all layouts dynamic); T, S shared."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    sym = cute.sym_int32
+    T, S = sym(symbol="T"), sym(symbol="S")
+    TH = sym(divisibility=64, symbol="T64")
+    D = sym(divisibility=128, symbol="D")
+    H = sym(divisibility=64, symbol="H")
+    q = make_fake_compact_tensor(Float8E4M3FN, (TH, D), stride_order=(1, 0), assumed_align=16)
+    k = make_fake_compact_tensor(Float8E4M3FN, (S, D), stride_order=(1, 0), assumed_align=16)
+    ks = make_fake_compact_tensor(Float32, (S,), assumed_align=16)
+    w = make_fake_compact_tensor(Float32, (T, H), stride_order=(1, 0), assumed_align=16)
+    qs = make_fake_compact_tensor(Float32, (T, H), stride_order=(1, 0), assumed_align=16)
+    a = make_fake_compact_tensor(Int32, (T,), assumed_align=4)
+    b = make_fake_compact_tensor(Int32, (T,), assumed_align=4)
+    o = make_fake_compact_tensor(Float32, (T, S), stride_order=(1, 0), assumed_align=4)
+    return q, k, ks, w, qs, a, b, o, Int32(132), make_fake_stream()
+
+
+def compile_prefill(has_qscale: bool, arch: str, extra: str = ""):
+    from ._compile import compile_options
+    return cute.compile(PrefillLogitsKernel(has_qscale), *_fake_args(has_qscale), options=compile_options(arch, extra))
+
+
+def compile_check(dump_dir=None, arch: str = "sm_90a") -> dict:
+    import os
+    import tempfile
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = dump_dir or tmp
+        os.makedirs(d, exist_ok=True)
+        for hq in (False, True):
+            fn = compile_prefill(hq, arch, f"--keep-ptx --dump-dir {d}")
+            ptx_ = fn.__ptx__
+            if ptx_ is None or not ptx_.lstrip().startswith(("//", ".version")):
+                raise RuntimeError(f"no PTX text for indexer_prefill (got {str(ptx_)[:200]!r})")
+            res["qscale" if hq else "fp8"] = ptx_
+    return res

@@ -1,0 +1,115 @@
+"""Small inline-PTX device functions shared by the sm_90a DSL kernels: explicit shared-memory
+vector loads / stores (the decoded-operand writes target computed 128B-swizzled addresses),
+read-only global loads of scale bytes, global stores of epilogue pairs, and two converts.
+
+Every memory function is emitted with side effects so that LLVM never merges or moves it across
+the kernel's barriers (a pure inline asm would be CSE'd across pipeline iterations).
+Addresses: shared memory as the 32-bit shared-window address (``ptr.toint()`` of an smem
+pointer), global memory as the 64-bit generic address (``tensor.iterator.toint()`` + bytes).
+"""
+from __future__ import annotations
+
+try:
+    import cutlass  # noqa: F401
+    from cutlass import Float32, Int32, Int64, Uint32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+    _HAVE_DSL = True
+except Exception:  # noqa: BLE001
+    _HAVE_DSL = False
+
+__all__ = ["ld_shared_v4", "ld_shared_v2", "ld_shared_b32", "st_shared_v4", "st_shared_b32", "ld_global_nc_b32",
+           "ld_global_nc_u8", "ld_global_nc_u16", "ld_global_nc_f32", "st_global_b16", "st_global_b32",
+           "st_global_b64", "e4m3_byte_to_f32", "st_global_f32"]
+
+if _HAVE_DSL:
+
+    def _v(x, ty, loc, ip):
+        return ty(x).ir_value(loc=loc, ip=ip)
+
+    def _asm(ret, ptx, cons, args, side=True, loc=None, ip=None):
+        return llvm.inline_asm(ret, args, ptx, cons, has_side_effects=side, is_align_stack=False,
+                               asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def ld_shared_v4(addr, *, loc=None, ip=None):
+        """``ld.shared.v4.b32`` at a 16-byte aligned shared address -> 4 Uint32."""
+        r = _asm(llvm.StructType.get_literal([T.i32()] * 4), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                 "=r,=r,=r,=r,r", [_v(addr, Int32, loc, ip)], loc=loc, ip=ip)
+        return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4))
+
+    @dsl_user_op
+    def ld_shared_v2(addr, *, loc=None, ip=None):
+        """``ld.shared.v2.b32`` at an 8-byte aligned shared address -> 2 Uint32."""
+        r = _asm(llvm.StructType.get_literal([T.i32()] * 2), "ld.shared.v2.b32 {$0, $1}, [$2];",
+                 "=r,=r,r", [_v(addr, Int32, loc, ip)], loc=loc, ip=ip)
+        return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(2))
+
+    @dsl_user_op
+    def ld_shared_b32(addr, *, loc=None, ip=None):
+        """``ld.shared.b32`` -> Uint32."""
+        return Uint32(_asm(T.i32(), "ld.shared.b32 $0, [$1];", "=r,r", [_v(addr, Int32, loc, ip)], loc=loc, ip=ip))
+
+    @dsl_user_op
+    def st_shared_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None):
+        """``st.shared.v4.b32`` of 4 words at a 16-byte aligned shared address."""
+        _asm(None, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+             [_v(addr, Int32, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def st_shared_b32(addr, w, *, loc=None, ip=None):
+        _asm(None, "st.shared.b32 [$0], $1;", "r,r", [_v(addr, Int32, loc, ip), _v(w, Uint32, loc, ip)],
+             loc=loc, ip=ip)
+
+    @dsl_user_op
+    def ld_global_nc_b32(addr, *, loc=None, ip=None):
+        """``ld.global.nc.b32`` (read-only path) at a 4-byte aligned 64-bit address -> Uint32."""
+        return Uint32(_asm(T.i32(), "ld.global.nc.b32 $0, [$1];", "=r,l", [_v(addr, Int64, loc, ip)],
+                           loc=loc, ip=ip))
+
+    @dsl_user_op
+    def ld_global_nc_u8(addr, *, loc=None, ip=None):
+        """``ld.global.nc.u8`` -> Uint32 (zero-extended byte)."""
+        return Uint32(_asm(T.i32(), "{\n.reg .b16 t;\nld.global.nc.u8 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,l",
+                           [_v(addr, Int64, loc, ip)], loc=loc, ip=ip))
+
+    @dsl_user_op
+    def ld_global_nc_u16(addr, *, loc=None, ip=None):
+        """``ld.global.nc.u16`` at a 2-byte aligned address -> Uint32 (zero-extended)."""
+        return Uint32(_asm(T.i32(), "{\n.reg .b16 t;\nld.global.nc.u16 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,l",
+                           [_v(addr, Int64, loc, ip)], loc=loc, ip=ip))
+
+    @dsl_user_op
+    def ld_global_nc_f32(addr, *, loc=None, ip=None):
+        """``ld.global.nc.f32`` -> Float32."""
+        return Float32(_asm(T.f32(), "ld.global.nc.f32 $0, [$1];", "=f,l", [_v(addr, Int64, loc, ip)],
+                            loc=loc, ip=ip))
+
+    @dsl_user_op
+    def st_global_b16(addr, w, *, loc=None, ip=None):
+        """Store the low 16 bits of ``w`` (``st.global.b16``)."""
+        _asm(None, "{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.global.b16 [$0], t;\n}", "l,r",
+             [_v(addr, Int64, loc, ip), _v(w, Uint32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def st_global_b32(addr, w, *, loc=None, ip=None):
+        _asm(None, "st.global.b32 [$0], $1;", "l,r", [_v(addr, Int64, loc, ip), _v(w, Uint32, loc, ip)],
+             loc=loc, ip=ip)
+
+    @dsl_user_op
+    def st_global_f32(addr, x, *, loc=None, ip=None):
+        _asm(None, "st.global.f32 [$0], $1;", "l,f", [_v(addr, Int64, loc, ip), _v(x, Float32, loc, ip)],
+             loc=loc, ip=ip)
+
+    @dsl_user_op
+    def st_global_b64(addr, x0, x1, *, loc=None, ip=None):
+        """``st.global.v2.f32`` of two fp32 values at an 8-byte aligned address."""
+        _asm(None, "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
+             [_v(addr, Int64, loc, ip), _v(x0, Float32, loc, ip), _v(x1, Float32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def e4m3_byte_to_f32(b, *, loc=None, ip=None):
+        """The E4M3 value of the low byte of ``b`` as fp32 (exact: ``cvt.rn.f16x2.e4m3x2``)."""
+        return Float32(_asm(T.f32(), "{\n.reg .b16 t, lo, hi;\n.reg .b32 p;\ncvt.u16.u32 t, $1;\n"
+                                     "cvt.rn.f16x2.e4m3x2 p, t;\nmov.b32 {lo, hi}, p;\ncvt.f32.f16 $0, lo;\n}",
+                            "=f,r", [_v(b, Uint32, loc, ip)], side=False, loc=loc, ip=ip))

@@ -1,0 +1,159 @@
+"""Operand-transform stage of the FP4-weight grouped GEMM: packed E2M1 weight tiles (TMA'd into
+shared memory, row-major ``[256 rows, BK/2 bytes]``) decoded into the WGMMA operand layout
+(K-major, 128-byte swizzle) of E4M3 (FP8 activations) or BF16 (bf16 activations), with the
+block scales folded in (CuTe DSL device functions; decode math from :mod:`kernels_dsl.sm90.fp4`).
+
+Thread mapping (per consumer warpgroup, 128 threads): lane quad ``c = t % 4`` owns the 16-byte
+(E4M3: 32 values = one MXFP4 scale group / two NVFP4 groups) or 8-byte (BF16: 16 values) chunk
+``c`` of a row; rows ``t // 4 + 32 j``. A warp reads 8 consecutive packed rows (conflict-free) and
+writes 16-byte chunks at ``chunk ^ (row % 8)`` (the hardware 128B swizzle: conflict-free too).
+
+Decoded layout (checked against ``sm90_utils.make_smem_layout_b`` for a 128-row half tile:
+``S<3,4,3> o ((8,16),(BK,1)):((BK,1024),(1,0))``, byte offsets): half tile ``sub`` starts at
+``sub * 16384``; byte ``(n, kbyte)`` is at ``(n // 8) * 1024 + (n % 8) * 128 + (((kbyte // 16) ^ (n %
+8)) * 16) + kbyte % 16``.
+
+Scale folding (per row, reference exponent fixed over the whole K of a work unit, computed by
+:func:`row_prologue` from the row's scale bytes):
+
+* W4A8 MXFP4: ``e_ref = max_k e - 6``; the decoded byte is ``e4m3(level * 2^(e - e_ref))`` (exact
+  while the row's exponents span <= 14 binades, else round-to-nearest-even into the E4M3
+  subnormals: absolute error <= ``2^(e_ref - 10)``); ``2^(e_ref - 127) * global`` multiplies the
+  column in the epilogue.
+* W4A8 NVFP4: ``base = floor(log2 max_k sf) - 5``; ``v = level * sf * 2^-base`` split into
+  ``hi = e4m3(v)``, ``lo = e4m3(v - hi)`` (two tiles, two WGMMAs); exact when
+  ``v >= 2^-4`` for the row's smallest nonzero ``level * sf``, i.e. when its block scales lie
+  within 8 binades of the row maximum (beyond that ``lo`` rounds: relative error of that value
+  <= 2^-4, absolute <= ``2^(base - 9)``); ``2^base * global`` in the epilogue.
+* W4A16: ``bf16(level) * bf16(scale)`` (exact: UE8M0 powers of two, E4M3 x E2M1 <= 6 significant
+  bits), ``global`` in the epilogue.
+"""
+from __future__ import annotations
+
+try:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64, Uint32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+    from . import fp4
+    from .ptx import (ld_global_nc_b32, ld_shared_v2, ld_shared_v4, st_shared_b32, st_shared_v4)
+    _HAVE_DSL = True
+except Exception:  # noqa: BLE001
+    _HAVE_DSL = False
+
+__all__ = ["decoded_offset", "row_prologue", "decode_row_chunk", "HALF_TILE_BYTES"]
+
+#: bytes of one decoded 128-row half tile (128 x 128 E4M3 or 128 x 64 BF16)
+HALF_TILE_BYTES = 16384
+
+if _HAVE_DSL:
+
+    @dsl_user_op
+    def _max_u16x2(a, b, *, loc=None, ip=None):
+        return Uint32(llvm.inline_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+                                      "max.u16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False,
+                                      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    @cute.jit
+    def decoded_offset(n: Int32, q: Int32):
+        """Byte offset of 16-byte chunk ``q`` of row ``n`` inside a 128-row half tile."""
+        r8 = n & 7
+        return (n >> 3) * 1024 + r8 * 128 + ((q ^ r8) << 4)
+
+    @cute.jit
+    def row_prologue(ws_row: Int64, nsb: Int32, c: Int32, g: Float32, fp8: cutlass.Constexpr[bool],
+                     nvfp4: cutlass.Constexpr[bool], colscale_addr: Int32):
+        """Reference exponent of one weight row over its whole K (all 4 lanes of the row's quad
+        call this; lane ``c`` reads scale words ``c, c + 4, ...`` of the ``nsb`` scale bytes at
+        ``ws_row``); returns it (Int32: MXFP4 the max UE8M0 byte, NVFP4 ``base``; W4A16: 0) to every
+        lane of the quad and lane 0 writes the column multiplier (fp32) to ``colscale_addr``."""
+        cs = g
+        rb = Int32(0)
+        if cutlass.const_expr(fp8):
+            m2 = Uint32(0)
+            nw = nsb // 4
+            for i in cutlass.range(c, nw, 4, unroll=4):
+                w = ld_global_nc_b32(ws_row + Int64(i) * 4)
+                m2 = _max_u16x2(m2, _max_u16x2(w & Uint32(0x00FF00FF), (w >> 8) & Uint32(0x00FF00FF)))
+            m = cutlass.max(m2 & Uint32(0xFFFF), m2 >> 16)
+            m = cutlass.max(m, Uint32(cute.arch.shuffle_sync_bfly(Int32(m), 1)))
+            m = cutlass.max(m, Uint32(cute.arch.shuffle_sync_bfly(Int32(m), 2)))
+            if cutlass.const_expr(not nvfp4):
+                rb = Int32(m)
+                e = cutlass.max(cutlass.min(rb - 133, Int32(127)), Int32(-126))
+                cs = g * fp4.exp2i(e)
+            else:
+                # base = floor(log2 e4m3(m)) - 5 (normal: E - 7; subnormal m * 2^-9: floor(log2 m) - 9)
+                ex = Int32(m >> 3)
+                mm = Int32(m & Uint32(7))
+                sub_l = cutlass.select_(mm >= 4, Int32(-7), cutlass.select_(mm >= 2, Int32(-8), Int32(-9)))
+                fl = cutlass.select_(ex > 0, ex - 7, sub_l)
+                rb = cutlass.select_(m == Uint32(0), Int32(0), fl - 5)
+                cs = g * fp4.exp2i(rb)
+        if c == 0:
+            st_shared_b32(colscale_addr, fp4.f32_to_bits(cs))
+        return rb
+
+    @cute.jit
+    def decode_row_chunk(src: Int32, dst_a: Int32, dst_b: Int32, lo_off: cutlass.Constexpr[int], sc: Uint32,
+                         rb: Int32, fp8: cutlass.Constexpr[bool], nvfp4: cutlass.Constexpr[bool]):
+        """Decode one thread's chunk of one weight row for one K block.
+
+        ``src``: shared address of the packed chunk (16 B for E4M3 = 32 values, 8 B for BF16 = 16
+        values); ``dst_a`` / ``dst_b``: shared addresses of its two 16-byte decoded chunks
+        (``2c`` and ``2c + 1`` of the row, swizzled); ``lo_off``: byte distance of the NVFP4 lo
+        tile; ``sc``: the chunk's scale byte(s), zero-extended (MXFP4 / BF16: one byte; NVFP4 with
+        E4M3 activations: two bytes, one per 16 values, the first in bits 0..7); ``rb``: the row's
+        reference from :func:`row_prologue`.
+        """
+        if cutlass.const_expr(fp8):
+            w0, w1, w2, w3 = ld_shared_v4(src)
+            if cutlass.const_expr(not nvfp4):
+                d = Int32(sc & Uint32(0xFF)) - rb + 6
+                lo = Uint32(0)
+                hi = Uint32(0)
+                if d >= fp4.SHIFT_RANGE[0]:
+                    lo, hi = fp4.e4m3_lut_shift(d)
+                else:
+                    lo, hi = fp4.e4m3_lut(d)
+                a0, a1 = fp4.e2m1x8_to_e4m3x8(w0, lo, hi)
+                b0, b1 = fp4.e2m1x8_to_e4m3x8(w1, lo, hi)
+                c0, c1 = fp4.e2m1x8_to_e4m3x8(w2, lo, hi)
+                d0, d1 = fp4.e2m1x8_to_e4m3x8(w3, lo, hi)
+                st_shared_v4(dst_a, a0, a1, b0, b1)
+                st_shared_v4(dst_b, c0, c1, d0, d1)
+            else:
+                s0, s1 = fp4.e4m3x2_to_f32x2(sc)
+                inv = fp4.exp2i(-rb)
+                h0l, h0h, l0l, l0h = fp4.e4m3_hilo_lut(s0 * inv)
+                h1l, h1h, l1l, l1h = fp4.e4m3_hilo_lut(s1 * inv)
+                a0, a1 = fp4.e2m1x8_to_e4m3x8(w0, h0l, h0h)
+                b0, b1 = fp4.e2m1x8_to_e4m3x8(w1, h0l, h0h)
+                c0, c1 = fp4.e2m1x8_to_e4m3x8(w2, h1l, h1h)
+                d0, d1 = fp4.e2m1x8_to_e4m3x8(w3, h1l, h1h)
+                st_shared_v4(dst_a, a0, a1, b0, b1)
+                st_shared_v4(dst_b, c0, c1, d0, d1)
+                a0, a1 = fp4.e2m1x8_to_e4m3x8_xs(w0, l0l, l0h)
+                b0, b1 = fp4.e2m1x8_to_e4m3x8_xs(w1, l0l, l0h)
+                c0, c1 = fp4.e2m1x8_to_e4m3x8_xs(w2, l1l, l1h)
+                d0, d1 = fp4.e2m1x8_to_e4m3x8_xs(w3, l1l, l1h)
+                st_shared_v4(dst_a + lo_off, a0, a1, b0, b1)
+                st_shared_v4(dst_b + lo_off, c0, c1, d0, d1)
+        else:
+            w0, w1 = ld_shared_v2(src)
+            sb = sc & Uint32(0xFF)
+            bits = Uint32(0)
+            if cutlass.const_expr(not nvfp4):
+                bits = cutlass.select_(sb == Uint32(0), Uint32(0x0040),
+                                       cutlass.select_(sb == Uint32(0xFF), Uint32(0x7FC0), sb << 7))
+            else:
+                sv, _ = fp4.e4m3x2_to_f32x2(sb)
+                bits = fp4.f32_to_bits(sv) >> 16
+            s2 = bits | (bits << 16)
+            p0, p1, p2, p3 = fp4.e2m1x8_to_bf16x8(w0)
+            q0, q1, q2, q3 = fp4.e2m1x8_to_bf16x8(w1)
+            st_shared_v4(dst_a, fp4.mul_bf16x2(p0, s2), fp4.mul_bf16x2(p1, s2), fp4.mul_bf16x2(p2, s2),
+                         fp4.mul_bf16x2(p3, s2))
+            st_shared_v4(dst_b, fp4.mul_bf16x2(q0, s2), fp4.mul_bf16x2(q1, s2), fp4.mul_bf16x2(q2, s2),
+                         fp4.mul_bf16x2(q3, s2))

@@ -1,0 +1,160 @@
+"""CuTe DSL provider of ``sparse_attention`` (``dsv4.ops.sparse_attention``): launch glue and the
+KV-split heuristic for the two kernels
+
+* :mod:`kernels_dsl.sparse_attention_fwd` -- the attention kernel (decode and prefill rows alike;
+  with KV splits it writes fp32 partials), and
+* :mod:`kernels_dsl.sparse_attention_combine` -- the split-KV merge (with the sink).
+
+Split heuristic (:func:`choose_config`): CTAs = T * ceil(H / 64). When they fill fewer than ~one
+wave of the SMs and a row has more than 2 list tiles of 64 entries, each row is split into
+``min(ceil(SMs / CTAs), tiles / 2)`` contiguous ranges of tiles, decided from shapes only (no sync;
+the lengths are device values, so a split may see no entries: it writes ``lse = -inf``). Then the
+known-issue cap :data:`MAX_TILES_PER_CTA` applies. Everything stays on the device and is
+CUDA-graph capturable.
+
+Status (end of the 2026-12-01 session): NOT validated on the H200 -- :data:`VALIDATED` is False, so
+``supports()`` says no (the registry runs the torch reference; forcing ``dsl`` raises
+``ProviderUnavailableError``); the GPU tests and bench/bench_sparse_attention.py call
+:func:`sparse_attention_dsl` directly. What the H200 showed (jobs sa-01..03):
+compiles and launches; one-tile and two-tile CTAs complete; the outputs were wrong because of a
+fake-tensor ABI mismatch (fixed after the last job, unverified on the GPU); CTAs with >= 3 tiles
+hang (see :data:`MAX_TILES_PER_CTA`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from dsv4.registry import Support
+
+from ._compile import DslProvider, compile_cached, current_stream
+
+__all__ = ["DslSparseAttention", "sparse_attention_dsl", "PROVIDERS", "SplitConfig", "choose_config", "compile_check", "PTX_PATTERNS"]
+
+TILE_N = 64
+BLOCK_H = 64
+#: KNOWN ISSUE (issue 14, H200 jobs sa-02 / sa-03): a CTA that processes >= 3 list tiles hangs (the
+#: producer's wait for a released K stage never returns; with that wait removed the kernel faults).
+#: Until it is fixed every CTA gets at most 2 tiles (more KV splits + the combine pass): then no K
+#: stage is ever reused. Remove the cap with the fix.
+MAX_TILES_PER_CTA = 2
+LOG2E = math.log2(math.e)
+#: False until tests/test_sparse_attention.py's GPU tests pass on the H200: the registry never picks
+#: (nor can be forced onto) a kernel that has not passed there; the tests and the benchmark call
+#: :func:`sparse_attention_dsl` directly. Set True in the commit that records the passing run.
+VALIDATED = False
+#: compile_check / PTX patterns live in the kernel modules; this module only checks it imports them
+PTX_PATTERNS = ()
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """KV split of each row's list: ``num_splits`` ranges of ``tiles_per_split`` 64-entry tiles."""
+
+    num_splits: int
+    tiles_per_split: int
+
+
+def choose_config(T: int, H: int, entries: int, sms: int, num_splits: Optional[int] = None) -> SplitConfig:
+    """The split of each row's ``entries``-wide list (SWA + compressed widths) for ``sms`` SMs."""
+    tiles = max(1, -(-entries // TILE_N))
+    if num_splits is None:
+        ctas = max(1, T * -(-H // BLOCK_H))
+        num_splits = 1
+        if ctas < 0.8 * sms and tiles > 2:
+            num_splits = max(1, min(-(-sms // ctas), tiles // 2))
+    num_splits = max(1, min(num_splits, tiles))
+    tps = min(-(-tiles // num_splits), MAX_TILES_PER_CTA)
+    return SplitConfig(-(-tiles // tps), tps)
+
+
+def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[str, str]:
+    """Both kernels of this provider, compiled for ``arch`` (PTX patterns: their own modules)."""
+    from . import sparse_attention_combine, sparse_attention_fwd
+    return {**{f"fwd-{k}": v for k, v in sparse_attention_fwd.compile_check(dump_dir, arch).items()},
+            **sparse_attention_combine.compile_check(dump_dir, arch)}
+
+
+def _bs(cache) -> int:
+    return cache.shape[1] // 584 if cache.dim() == 2 else cache.shape[1]
+
+
+class DslSparseAttention(DslProvider):
+    describe = ("CuTe DSL SparseAttentionFwdKernel: producer warpgroup gathers + decodes fp8_ds_mla rows to bf16 "
+                "smem, 2 WGMMA warpgroups (QK^T + softmax + PV halves), split-KV combine; not yet validated on "
+                "the H200 (supports() says no until it is)")
+
+    def supports_problem(self, problem):
+        if problem.get("fmt") != "fp8_ds_mla":
+            return Support.no(f"dsl: reads fp8_ds_mla (584 B/token) caches only, got {problem.get('fmt')}")
+        if not VALIDATED:
+            return Support.no("dsl: not validated on the H200 yet (issue 14, jobs sa-02/sa-03: wrong outputs before "
+                              "the stride fix, a hang at >= 3 tiles per CTA); the GPU tests call "
+                              "kernels_dsl.sparse_attention.sparse_attention_dsl directly")
+        return Support.yes("sm_90a, fp8_ds_mla caches")
+
+    def run(self, problem, *, q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale, num_splits):
+        return sparse_attention_dsl(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale,
+                                    num_splits)
+
+
+def sparse_attention_dsl(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale, num_splits=None, *,
+                         out=None, lse=None):
+    """Launch the kernels on validated operands (``dsv4.ops.sparse_attention`` validates them);
+    ``out`` / ``lse`` may be preallocated (tests poison them to catch unwritten elements)."""
+    import torch
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4.target import Target
+
+    from . import sparse_attention_combine, sparse_attention_fwd
+    T, H = q.shape[0], q.shape[1]
+    dev = q.device
+    if out is None:
+        out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=dev)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+    if T == 0:
+        return out, lse
+    if cache is None:          # SWA-only layer: an empty compressed list over the same cache
+        cache, indices = swa_cache, torch.full((T, 1), -1, dtype=torch.int32, device=dev)
+        lens = torch.zeros((T,), dtype=torch.int32, device=dev)
+    if sink is None:
+        sink = torch.full((H,), float("-inf"), dtype=torch.float32, device=dev)
+    target = Target.of(dev)
+    cfg = choose_config(T, H, swa_indices.shape[1] + indices.shape[1], target.sm_count, num_splits)
+    split = cfg.num_splits > 1
+    arch = target.arch
+    fwd = compile_cached(("sparse_attention_fwd", split, arch, tuple(sorted(sparse_attention_fwd.DEBUG_VARIANT.items()))),
+                         lambda: sparse_attention_fwd.compile_kernel(split, arch))
+
+    def t(x, align=16):
+        return from_dlpack(x, assumed_align=align).mark_layout_dynamic(leading_dim=x.dim() - 1)
+
+    def cache_base(c):
+        # the kernel only takes the base pointer (it computes the slot addresses itself, in 64 bits)
+        return from_dlpack(c.view(-1)[:16], assumed_align=16).mark_layout_dynamic(leading_dim=0)
+
+    sbs, cbs = _bs(swa_cache), _bs(cache)
+    if split:
+        o_part = torch.empty((cfg.num_splits, T, H, 512), dtype=torch.float32, device=dev)
+        l_part = torch.empty((cfg.num_splits, T, H), dtype=torch.float32, device=dev)
+        o_arg, l_arg = t(o_part), t(l_part, 4)
+    else:
+        o_arg, l_arg = t(out), t(lse, 4)
+    args = (t(q), cache_base(swa_cache), t(swa_indices, 4), t(swa_lens, 4), cache_base(cache), t(indices, 4),
+            t(lens, 4), t(sink, 4), o_arg, l_arg, Int32(sbs), Int32(swa_cache.shape[0] * sbs), Int32(cbs),
+            Int32(cache.shape[0] * cbs), Float32(float(scale) * LOG2E), Int32(cfg.tiles_per_split),
+            Int32(cfg.num_splits))
+    with torch.cuda.device(dev):
+        fwd(*args, current_stream())
+        if split:
+            comb = compile_cached(("sparse_attention_combine", arch),
+                                  lambda: sparse_attention_combine.compile_kernel(arch))
+            comb(t(o_part), t(l_part, 4), t(sink, 4), t(out), t(lse, 4), current_stream())
+    return out, lse
+
+
+PROVIDERS = {"sparse_attention": DslSparseAttention}
