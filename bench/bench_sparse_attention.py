@@ -1,4 +1,4 @@
-"""Benchmark sparse_attention (dsl provider) vs the torch reference and the measured rooflines.
+"""Benchmark the sparse_attention DSL kernels (not yet validated: needs DSV4_RUN_UNVALIDATED=1) vs the torch reference and the measured rooflines.
 
 Cases (issue 14 targets):
 
@@ -82,7 +82,10 @@ def main():
     ap.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
     args = ap.parse_args()
     from dsv4.ops.sparse_attention import validate_args
-    from kernels_dsl.sparse_attention import sparse_attention_dsl
+    from kernels_dsl.sparse_attention import may_run_unvalidated, sparse_attention_dsl
+    if not may_run_unvalidated():
+        raise SystemExit("bench_sparse_attention: the DSL kernel is not validated on the H200 yet (it may hang); "
+                         "set DSV4_RUN_UNVALIDATED=1 to time it anyway (time-box the run)")
     from dsv4.reference.sparse_attention import sparse_attention_paged_ref
     bw = copy_bandwidth()
     peak = bf16_peak()

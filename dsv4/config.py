@@ -100,6 +100,10 @@ VARS: dict[str, Var] = {
     "DSV4_BENCH_DIAGNOSTICS": Var("flag", 0, _FLAG,
         "1: allow benchmark-only diagnostic kernels that compute wrong results (`DSV4_MOE_DIAG`). Set "
         "by `bench/bench_moe.py` and `scripts/gpu_moe_prefill.sh` around their diagnostics rows only."),
+    "DSV4_RUN_UNVALIDATED": Var("flag", 0, _FLAG,
+        "1: the GPU tests and benchmarks of kernels not yet validated on the H200 (the sparse-attention "
+        "DSL kernel, `kernels_dsl/sparse_attention.py` `VALIDATED = False`) run them; otherwise they "
+        "skip. Such a kernel may hang or fault: set it only in a time-boxed validation job."),
     # ---------------------------------------------------------------- MoE decode (kernels_cuda/moe_decode.py)
     "DSV4_MOE_DECODE": Var("flag", 1, _FLAG,
         "0: never use the decode kernel (`moe_decode.cu`); every grouped GEMM runs the prefill kernel "

@@ -11,7 +11,9 @@ of the context:
 3. quantize the indexer queries                                  (``indexer_q_quant``)
 4. indexer logits over the paged cache, ``I[t,s] = sum_h w[t,h] ReLU(q[t,h].K[s])``
                                                                    (``indexer_logits_paged``)
-5. top-k (512 Flash / 1024 Pro) of the causally allowed entries  (``topk``)
+5. top-k (512 Flash / 1024 Pro) of the committed entries: every query row of the step sees the
+   ``context // 4`` entries (DSV4 decode, no causal mask across the step's MTP rows; the
+   ``[B]`` ``context_lens`` of ``indexer_logits_paged``)             (``topk``)
 6. the attention lists: each query row's 128-token window (ring slots) and its top-k entries,
    as physical slots of the two caches (``window_slots`` / ``compressed_slots``: torch glue on
    the device, no sync)
@@ -163,6 +165,18 @@ def _load_inputs(path: str, args: argparse.Namespace) -> dict:
                 problems.append(f"'w' has shape {list(w.shape)}, expected [{q.shape[0]}, 64]")
             if kv.shape != (B, S, KV_DIM):
                 problems.append(f"'kv' has shape {list(kv.shape)}, expected [{B}, {S}, 512]")
+            heads = MODELS[getattr(args, "model", None) or "flash"]["heads"]
+            want = {"q_attn": (q.shape[0], heads, KV_DIM), "kv_swa": (B, WINDOW, KV_DIM), "sink": (heads,)}
+            for key, shape in want.items():          # the optional tensors (OPTIONAL_KEYS)
+                if key not in d:
+                    continue
+                t = d[key]
+                if not t.dtype.is_floating_point:
+                    problems.append(f"'{key}' has dtype {t.dtype}, expected a floating dtype")
+                elif tuple(t.shape) != shape:
+                    problems.append(f"'{key}' has shape {list(t.shape)}, expected {list(shape)} "
+                                    f"({OPTIONAL_KEYS[key]}; --model {getattr(args, 'model', None) or 'flash'}: "
+                                    f"{heads} heads)")
     if problems:
         raise InputError(f"--inputs {path}: " + "; ".join(problems) +
                          ". Required keys: " + ", ".join(f"{k} {v[0]}" for k, v in INPUT_KEYS.items()))
@@ -468,8 +482,11 @@ def _csa_stages(p: Problem, d: dict, g: torch.Generator, state: dict, swa_cache,
         from .reference.hadamard import hadamard_fwht
         k_global = nvfp4_global_decode_scale(hadamard_fwht(K.float()).abs().amax()).reshape(1).float()
         q_global = nvfp4_global_decode_scale(hadamard_fwht(q.float()).abs().amax()).reshape(1).float()
-    q_pos = torch.arange(p.context - next_n, p.context, device=device)                     # [next_n]
-    lens = ((q_pos + 1) // RATIO).clamp(max=p.S).to(torch.int32).expand(B, next_n).contiguous()   # [B, next_n]
+    # DSV4 decode: every query row of a step (next_n MTP tokens) sees the compressed entries committed
+    # after the step's tokens are compressed, end_pos // 4 (the official indexer applies no causal
+    # mask in decode), i.e. indexer_logits_paged's [B] context_lens meaning
+    committed = torch.full((B,), min(p.context // RATIO, p.S), dtype=torch.int32, device=device)   # [B]
+    lens = committed[:, None].expand(B, next_n).contiguous()                                        # [B, next_n]
     state["csa"] = dict(q=q, K=K, w=w, kv=kv, lens=lens)
 
     def st_kv_append():
@@ -486,7 +503,7 @@ def _csa_stages(p: Problem, d: dict, g: torch.Generator, state: dict, swa_cache,
     def st_logits():
         qd, qsf, wq = state["qq"]
         state["logits"] = indexer_logits_paged(qd.view(B, next_n, IDX_HEADS, -1), qsf.view(B, next_n, IDX_HEADS, -1),
-                                               wq, idx_cache, lens, bt, fmt=p.fmt, max_ctx=p.S,
+                                               wq, idx_cache, committed, bt, fmt=p.fmt, max_ctx=p.S,
                                                q_global=q_global, k_global=k_global)
 
     def st_topk():

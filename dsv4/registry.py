@@ -267,7 +267,9 @@ def last_choice(op: str) -> Choice | None:
     return _LAST.get(op)
 
 
-def _parse_env(s: str) -> dict[str, str]:
+def _parse_env(s: str, current: str | None = None) -> dict[str, str]:
+    """``DSV4_OPS`` -> ``{op: kind}``; an op name that is neither registered nor ``current`` (the op
+    being dispatched) raises, so a misspelled name is never silently ignored."""
     out = {}
     for item in filter(None, (x.strip() for x in s.split(","))):
         if "=" not in item:
@@ -275,6 +277,10 @@ def _parse_env(s: str) -> dict[str, str]:
         k, v = (x.strip() for x in item.split("=", 1))
         if v not in KINDS:
             raise ValueError(f"DSV4_OPS: provider for {k!r} must be one of {KINDS}, got {v!r}")
+        if k not in ("*", current) and k not in _REGISTRY:
+            import dsv4.ops  # noqa: F401  (registers every op)
+            if k not in _REGISTRY:
+                raise ValueError(f"DSV4_OPS: unknown op {k!r}; known: {sorted(_REGISTRY)}")
         out[k] = v
     return out
 
@@ -289,7 +295,7 @@ def _forced_kind(op: str) -> str | None:
                 return m["*"]
     env = os.environ.get("DSV4_OPS", "")
     if env:
-        m = _parse_env(env)
+        m = _parse_env(env, op)
         return m.get(op, m.get("*"))
     return None
 

@@ -30,7 +30,7 @@ from dsv4.registry import Support
 
 from ._compile import DslProvider, compile_cached, current_stream
 
-__all__ = ["DslSparseAttention", "sparse_attention_dsl", "PROVIDERS", "SplitConfig", "choose_config", "compile_check", "PTX_PATTERNS"]
+__all__ = ["DslSparseAttention", "sparse_attention_dsl", "may_run_unvalidated", "VALIDATED", "PROVIDERS", "SplitConfig", "choose_config", "compile_check", "PTX_PATTERNS"]
 
 TILE_N = 64
 BLOCK_H = 64
@@ -44,6 +44,13 @@ LOG2E = math.log2(math.e)
 #: (nor can be forced onto) a kernel that has not passed there; the tests and the benchmark call
 #: :func:`sparse_attention_dsl` directly. Set True in the commit that records the passing run.
 VALIDATED = False
+
+
+def may_run_unvalidated() -> bool:
+    """True when the kernels are validated, or ``DSV4_RUN_UNVALIDATED=1`` asks to run them anyway
+    (the GPU tests / benchmark of a validation job; dsv4/config.py)."""
+    from dsv4.config import env_flag
+    return VALIDATED or env_flag("DSV4_RUN_UNVALIDATED")
 #: compile_check / PTX patterns live in the kernel modules; this module only checks it imports them
 PTX_PATTERNS = ()
 

@@ -155,6 +155,24 @@ def test_bad_inputs_file_is_a_clear_error_exit_2(tmp_path, drop, bad, needle):
     assert needle in r.stderr and "Required keys" in r.stderr
 
 
+@pytest.mark.parametrize("extra,needle", [
+    ({"sink": (7,)}, "'sink' has shape [7], expected [64]"),
+    ({"q_attn": (1, 32, 512)}, "'q_attn' has shape [1, 32, 512], expected [1, 64, 512]"),
+    ({"kv_swa": (1, 64, 512)}, "'kv_swa' has shape [1, 64, 512], expected [1, 128, 512]"),
+])
+def test_bad_optional_inputs_are_a_clear_error_exit_2(tmp_path, extra, needle):
+    import torch
+    from safetensors.torch import load_file, save_file
+    f = tmp_path / "opt.safetensors"
+    _write_inputs(f)
+    d = load_file(str(f))
+    d.update({k: torch.zeros(shape) for k, shape in extra.items()})
+    save_file(d, str(f))
+    r = dsv4("run", "--no-progress", "--inputs", str(f))
+    assert r.returncode == 2, (r.returncode, r.stderr[-1000:])
+    assert needle in r.stderr, r.stderr[-1000:]
+
+
 def test_inputs_file_not_safetensors(tmp_path):
     f = tmp_path / "x.safetensors"
     f.write_bytes(b"definitely not safetensors")

@@ -374,11 +374,11 @@ def test_gpu_decode_splitk_deterministic(fmt, act, consumer, monkeypatch):
     assert e_split < 1e-2 and e_ref < 1e-5
 
 
-@pytest.mark.gpu
-def test_gpu_decode_flash_shape_graph_and_contiguous(consumer):
-    """DSV4-Flash shape (D 4096, I 2048, E 257 odd), 1 token on 9 experts: CUDA-graph replay equals
-    eager; the contiguous layout of the same routing gives the same rows."""
-    from tests.test_moe import make_weights, make_x, prep
+def _flash_shape_graph_and_contiguous(prov: str) -> None:
+    """DSV4-Flash shape (D 4096, I 2048, E 257 odd), 1 token on 9 experts, GEMMs forced to ``prov``:
+    CUDA-graph replay equals eager; the contiguous layout of the same routing gives the same rows
+    (same math; the split-K choice (FP32 order) may differ); both match the checkpoint reference."""
+    from tests.test_moe import make_weights, make_x, prep, ref_out
     from dsv4.ops import moe
     from dsv4.registry import use
     E, D, I = 257, 4096, 2048
@@ -389,7 +389,7 @@ def test_gpu_decode_flash_shape_graph_and_contiguous(consumer):
     idx = torch.tensor([[e] for e in (1, 2, 30, 31, 100, 128, 200, 255, 256)], dtype=torch.int32, device="cuda")
     w = torch.rand(T, 1, device="cuda") + 0.1
     x = make_x(T, D, device="cuda")
-    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+    with use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
         out = moe.moe_experts(x, idx, w, W, layout="masked", max_m=1)
         out_c = moe.moe_experts(x, idx, w, W, layout="contiguous")
         torch.cuda.synchronize()
@@ -399,9 +399,13 @@ def test_gpu_decode_flash_shape_graph_and_contiguous(consumer):
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out_g, out)
-    assert _rel(out_c, out) < 1e-2  # same math; the split-K choice (FP32 order) may differ
-    from tests.test_moe import ref_out
+    assert _rel(out_c, out) < 1e-2
     assert _rel(out, ref_out(x, ck, "mxfp4", "fp8", idx, w)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_flash_shape_graph_and_contiguous(consumer):
+    _flash_shape_graph_and_contiguous("cuda")
 
 
 @pytest.mark.gpu
@@ -629,31 +633,7 @@ def test_gpu_dsl_decode_deterministic_and_tile_independent(fmt, act, prov):
 
 @pytest.mark.gpu
 def test_gpu_dsl_decode_flash_shape_graph_and_contiguous(prov):
-    """DSV4-Flash shape (D 4096, I 2048, E 257 odd), 1 token on 9 experts: CUDA-graph replay equals
-    eager; the contiguous layout of the same routing gives the same rows."""
-    from tests.test_moe import make_weights, make_x, prep, ref_out
-    from dsv4.ops import moe
-    from dsv4.registry import use
-    E, D, I = 257, 4096, 2048
-    base = make_weights(3, D, I, device="cuda")
-    ck = {kk: (v.repeat(86, *([1] * (v.dim() - 1)))[:E].contiguous() if v is not None else None) for kk, v in base.items()}
-    W = prep(ck, "mxfp4")
-    T = 9
-    idx = torch.tensor([[e] for e in (1, 2, 30, 31, 100, 128, 200, 255, 256)], dtype=torch.int32, device="cuda")
-    w = torch.rand(T, 1, device="cuda") + 0.1
-    x = make_x(T, D, device="cuda")
-    with use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
-        out = moe.moe_experts(x, idx, w, W, layout="masked", max_m=1)
-        out_c = moe.moe_experts(x, idx, w, W, layout="contiguous")
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_g = moe.moe_experts(x, idx, w, W, layout="masked", max_m=1)
-        graph.replay()
-        torch.cuda.synchronize()
-    assert torch.equal(out_g, out)
-    assert _rel(out_c, out) < 1e-2
-    assert _rel(out, ref_out(x, ck, "mxfp4", "fp8", idx, w)) < 1e-2
+    _flash_shape_graph_and_contiguous(prov)
 
 
 @pytest.mark.gpu

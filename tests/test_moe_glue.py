@@ -142,6 +142,21 @@ def test_combine_out_dtype_checked():
 
 
 # ------------------------------------------------------------------------------------- route (CPU)
+def test_route_ties_lower_expert_id_first():
+    """Equal selection scores (e.g. zero-padded tokens, no bias): lower expert id first, as the
+    moe_route docstring promises (torch.topk does not)."""
+    import torch
+    from dsv4.ops.moe import moe_route
+    with registry.use(moe_route="torch"):
+        idx, w = moe_route(torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(64, 256, dtype=torch.bfloat16),
+                           topk=6)
+        assert idx.tolist() == [[0, 1, 2, 3, 4, 5]] * 2
+        gw = torch.zeros(8, 16)
+        gw[5] = 1.0                         # expert 5 wins, then the tie among the rest: 0, 1
+        idx, _ = moe_route(torch.ones(1, 16), gw, topk=3)
+        assert idx.tolist() == [[5, 0, 1]]
+
+
 def test_route_hash_bad_ids_are_dropped_slots():
     T, D, E, k, V = 6, 64, 10, 4, 9
     g = torch.Generator().manual_seed(7)

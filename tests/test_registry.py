@@ -94,6 +94,9 @@ def test_bad_override_values_are_rejected(monkeypatch):
     with pytest.raises(ValueError):
         with registry.use(t_bad="fast"):
             pass
+    monkeypatch.setenv("DSV4_OPS", "t_bda=torch")            # a misspelled op name is an error, not ignored
+    with pytest.raises(ValueError, match="unknown op 't_bda'"):
+        op.select({}, CPU)
 
 
 def test_no_provider_at_all_lists_every_reason():

@@ -336,8 +336,12 @@ CASES = {
 
 def _dsl(q, swa, sidx, slen, sk, *, cache=None, indices=None, lens=None, num_splits=None):
     """The dsl kernels through their launcher: the registry does not offer them until they pass on the
-    H200 (kernels_dsl/sparse_attention.py VALIDATED); same checks and defaults as the public op."""
-    from kernels_dsl.sparse_attention import sparse_attention_dsl
+    H200 (kernels_dsl/sparse_attention.py VALIDATED); same checks and defaults as the public op.
+    Until then the GPU tests skip unless DSV4_RUN_UNVALIDATED=1 (a hang would eat a GPU session)."""
+    from kernels_dsl.sparse_attention import may_run_unvalidated, sparse_attention_dsl
+    if not may_run_unvalidated():
+        pytest.skip("sparse-attention DSL kernel not validated on the H200 yet: set DSV4_RUN_UNVALIDATED=1 "
+                    "in a time-boxed validation job")
     return sparse_attention_dsl(*validate_args(q, swa, sidx, slen, sk, cache=cache, indices=indices, lens=lens,
                                                num_splits=num_splits))
 

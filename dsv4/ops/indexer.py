@@ -26,8 +26,11 @@ scale bytes at ``b*block_size*BPT + block_size*VB + j*SB``. E.g. MXFP4, block_si
 values of token j at ``b*4352 + j*64``, its 4 UE8M0 at ``b*4352 + 4096 + j*4``.
 
 Optional Hadamard (``hadamard=True``): ``x -> bf16((H_128 x) * 128^-0.5)`` (Sylvester order; the
-official ``rotate_activation`` takes and returns bf16: the rotated vector is rounded to bf16 once,
-correctly, then quantized), for q and K alike (q.K is invariant under a shared orthogonal rotation).
+official ``rotate_activation`` takes and returns bf16, so the rotated vector is rounded to bf16, then
+quantized; this project defines the rounding as ONE correct rounding of the exact rotation
+(``dsv4.reference.hadamard``), which can differ from an fp32-accumulating implementation such as
+``fast_hadamard_transform`` by one bf16 ulp in rare inputs with a wide exponent spread), for q and K
+alike (q.K is invariant under a shared orthogonal rotation).
 
 Precision contract of the logits ops (every provider; doctrine 5), against fp64 on the SAME
 quantized values (the torch reference on the dequantized bytes):
@@ -158,6 +161,8 @@ def indexer_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torc
     Source: dsv4_spec.md 2.4 / 2.7 / 4.3.
     """
     _check_fmt(fmt, "indexer_cache_write")
+    if not isinstance(hadamard, bool):
+        raise ValueError(f"indexer_cache_write: argument 'hadamard' must be a bool, got {type(hadamard).__name__} {hadamard!r}")
     CACHE_WRITE_SPEC.validate({"cache": cache, "k": k, "slot_mapping": slot_mapping, "global_scale": global_scale},
                               symbols={"BPT": indexer_bytes_per_token(fmt)})
     _check_global("indexer_cache_write", fmt, "global_scale", global_scale)
@@ -222,6 +227,8 @@ def indexer_q_quant(q: torch.Tensor, w: torch.Tensor, *, fmt: str = "mxfp4", had
         ValueError / LayoutError as :func:`indexer_cache_write`.
     """
     _check_fmt(fmt, "indexer_q_quant")
+    if not isinstance(hadamard, bool):
+        raise ValueError(f"indexer_q_quant: argument 'hadamard' must be a bool, got {type(hadamard).__name__} {hadamard!r}")
     Q_QUANT_SPEC.validate({"q": q, "w": w, "global_scale": global_scale})
     _check_global("indexer_q_quant", fmt, "global_scale", global_scale)
     return torch.ops.dsv4.indexer_q_quant(q, w, global_scale, fmt, bool(hadamard))
@@ -435,6 +442,10 @@ def indexer_logits_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tens
     full = env["max_blocks"] * env["block_size"]
     if max_ctx is None:
         max_ctx = full
+    import numbers
+    if isinstance(max_ctx, bool) or not isinstance(max_ctx, numbers.Integral):   # never truncate a float
+        raise LayoutError(f"indexer_logits_paged: max_ctx must be an int (output columns), got "
+                          f"{type(max_ctx).__name__} {max_ctx!r}")
     if not (0 < int(max_ctx) <= full):
         raise LayoutError(f"indexer_logits_paged: max_ctx={max_ctx} must be in [1, max_blocks*block_size={full}]")
     _check_global("indexer_logits_paged", fmt, "q_global", q_global)

@@ -66,6 +66,10 @@ _CACHE_PACKING = ("fp8_ds_mla: uint8 [num_blocks, bs*584]; block base page*bs*58
 
 def _cache_info(cache: torch.Tensor, d: int, arg: str = "cache") -> tuple[str, int]:
     """(fmt, block_size) of a cache tensor, with shape checks (LayoutError naming ``arg``)."""
+    if not isinstance(cache, torch.Tensor):
+        raise LayoutError(f"{arg}: must be a torch.Tensor cache, got {type(cache).__name__}")
+    if cache.dim() >= 1 and cache.shape[0] < 1:
+        raise LayoutError(f"{arg}: the cache has no blocks (num_blocks = 0), got shape {list(cache.shape)}")
     if cache.dtype == torch.uint8:
         per = TOKEN_BYTES if d == KV_DIM else IDX_TOKEN_BYTES
         fmt = "fp8_ds_mla" if d == KV_DIM else "mxfp4"

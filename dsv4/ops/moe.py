@@ -334,10 +334,13 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, *, topk: int = 6, rout
         (or -1: a dropped hash-layer slot, see above); ``topk_w`` uses the unbiased scores, rows
         sum to ``route_scale``. Slots are ordered by decreasing selection score (``s + bias``;
         ties: lower expert id first); hash layers: in ``tid2eid`` order. The weight sum is taken
-        in slot order.
+        in slot order. Non-finite input is not checked (it would need a host sync): a row whose
+        selected scores do not sum to a positive number (e.g. NaN in ``x``) gets weights 0 (it
+        contributes nothing), an infinite score gives NaN weights; ``debug_check`` does not look
+        at ``x``.
 
     Raises:
-        ValueError: ``topk`` not an int in ``[1, E]``, ``route_scale`` not a positive number, or
+        ValueError: ``topk`` not an int in ``[1, E]``, ``route_scale`` not a finite positive number, or
             (``debug_check``) ``input_ids`` / ``tid2eid`` values out of range.
         LayoutError: shapes/dtypes (``docs/layouts/moe_route.md``); only one of ``input_ids`` /
             ``tid2eid`` given, or a ``tid2eid`` width != topk.
@@ -351,8 +354,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, *, topk: int = 6, rout
                          "tid2eid": tid2eid}, symbols={"K_TOP": topk})
     E = gate_weight.shape[0]
     _check_int("moe_route", "topk", topk, 1, E, f"experts per token, at most E = gate_weight.shape[0] = {E}")
-    if isinstance(route_scale, bool) or not isinstance(route_scale, numbers.Real) or not route_scale > 0:
-        raise ValueError(f"moe_route: argument 'route_scale' must be a number > 0, got {route_scale!r}")
+    if isinstance(route_scale, bool) or not isinstance(route_scale, numbers.Real) or not 0 < route_scale < float("inf"):
+        raise ValueError(f"moe_route: argument 'route_scale' must be a finite number > 0, got {route_scale!r}")
     if debug_check and tid2eid is not None:
         V = tid2eid.shape[0]
         if input_ids.numel() and bool(((input_ids < 0) | (input_ids >= V)).any()):
@@ -540,7 +543,8 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, n
         (unless ``debug_check``); no loop over experts. Layout: ``docs/layouts/moe_permute.md``.
 
     Raises:
-        ValueError: unknown ``act`` / ``layout``; ``num_experts`` / ``max_m`` not an int >= 1;
+        ValueError: unknown ``act`` / ``layout``; ``num_experts`` / ``max_m`` not an int >= 1; a
+            grouped layout of 2^31 rows or more (``T*k`` contiguous, ``num_experts*max_m`` masked);
             ``debug_check`` and a ``topk_idx`` value outside ``[0, num_experts)``.
         LayoutError: ``x`` / ``topk_idx`` / ``topk_w`` dtype, shape or device (argument named),
             ``D % 128 != 0`` with ``act='fp8'``.
@@ -558,6 +562,10 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, n
     T, D = x.shape
     if act == "fp8" and D % 128:
         raise LayoutError(f"moe_permute: argument 'x' [T, D] needs D % 128 == 0 for act='fp8' (1x128 blocks), got D={D}")
+    R = T * topk_idx.shape[1] if layout == "contiguous" else E * max_m
+    if R >= 2 ** 31:
+        raise ValueError(f"moe_permute: the grouped layout would have R={R} rows "
+                         f"({'T*k' if layout == 'contiguous' else 'num_experts*max_m'}); at most 2^31 - 1 are supported")
     if debug_check and topk_idx.numel() and bool(((topk_idx < 0) | (topk_idx >= E)).any()):
         raise ValueError(f"moe_permute: argument 'topk_idx' has expert ids outside [0, num_experts={E}): "
                          f"min {int(topk_idx.min())}, max {int(topk_idx.max())}")
@@ -741,7 +749,8 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = Non
         w: :class:`MoEWeights` from :func:`moe_prepare_weights`.
         max_m: optional scheduling hint, the largest ``row_count`` of any expert (the masked
             layout's ``max_m``; DeepGEMM's ``expected_m_per_group``). Only the kernel
-            configuration (token tile) depends on it, never the result; None = ``R / E``.
+            configuration (token tile) depends on it, never the result; None = ``R / E``. Today
+            only the dsl provider reads it; the cuda provider plans from ``R / E``.
 
     Precision (dsl provider, W4A8): FP8 WGMMA per 128-K block promoted into fp32 (DeepGEMM
     style), weights decoded exactly (MXFP4 while a row's scales span <= 14 binades, NVFP4 through

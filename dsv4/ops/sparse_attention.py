@@ -294,6 +294,16 @@ def window_slots(positions: torch.Tensor, req_idx: torch.Tensor, block_table: to
         ``(slots int32 [T, window], lens int32 [T])``: oldest first, valid prefix
         ``lens = clamp(min(p + 1, window, p - first + 1), 0)``; on the device, no sync.
     """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window_slots: argument 'window' must be an int >= 1, got {window!r}")
+    if ring is not None and (isinstance(ring, bool) or not isinstance(ring, int) or ring < window):
+        raise ValueError(f"window_slots: argument 'ring' must be None or an int >= window={window} (a smaller ring "
+                         f"no longer holds the whole window: its slots would alias), got {ring!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"window_slots: argument 'block_size' must be an int >= 1, got {block_size!r}")
+    if block_table.dim() != 2 or block_table.shape[1] < 1:
+        raise LayoutError(f"window_slots: argument 'block_table' must be [R, max_pages >= 1], got "
+                          f"{list(block_table.shape)}")
     p = positions.long().view(-1, 1)
     f = first.long().view(-1, 1) if isinstance(first, torch.Tensor) else int(first)
     ar = torch.arange(window, device=positions.device).view(1, -1)

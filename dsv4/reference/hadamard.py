@@ -15,7 +15,11 @@ fp64 multiply by ``fp64(n^-0.5)``, then ONE correctly rounded conversion fp64 ->
 the bf16 of the exact ``(H x) * n^-0.5`` except within 2^-52 (relative) of a bf16 rounding
 midpoint. The CUDA kernels (``kernels_cuda/indexer.cu`` ``fwht128``, ``kernels_cuda/kv_cache.cuh``
 ``kvc_fwht128``) do the same fp64 operations and the same rounding, so the three agree bit for
-bit. :func:`hadamard_fwht` (fp32 butterflies, bit 0 first) is kept for callers that want the
+bit. This is the project's definition, not a bit-for-bit copy of the official kernel:
+``fast_hadamard_transform`` accumulates in fp32 and converts once, which agrees with it on typical
+activations (randn rows: no difference measured) but can differ by one bf16 ulp when a row's
+exponents spread widely (measured 2026-12-01: 18 of 256,000 outputs for inputs spread over
+2^+-20). :func:`hadamard_fwht` (fp32 butterflies, bit 0 first) is kept for callers that want the
 rotation without the bf16 rounding.
 """
 from __future__ import annotations

@@ -258,6 +258,8 @@ class TorchPagedLogits(TorchProvider):
     def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
         fmt = problem["fmt"]
         B, nn = q_data.shape[:2]
+        if B == 0:
+            return torch.empty((0, problem["max_ctx"]), dtype=torch.float32, device=q_data.device)
         qr = dequantize_q(q_data.reshape(B * nn, HEADS, -1), q_sf.reshape(B * nn, HEADS, -1), fmt, q_global)
         kr = dequantize_cache(cache, fmt, k_global)
         return paged_logits_ref(qr.reshape(B, nn, HEADS, DIM), w, kr, lens, block_table, problem["max_ctx"])

@@ -85,7 +85,8 @@ def route_ref(x, gate_weight, bias, input_ids, tid2eid, topk: int, route_scale: 
         idx = torch.where(valid, e, torch.full_like(e, -1))
     else:
         sel = s + bias.float() if bias is not None else s
-        idx = sel.topk(topk, dim=-1).indices
+        # ties -> lower expert id first (the documented contract; torch.topk does not promise it)
+        idx = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :topk]
         valid = torch.ones_like(idx, dtype=torch.bool)
     w = s.gather(1, idx.clamp(0, E - 1))
     w = torch.where(valid, w, torch.zeros_like(w))
