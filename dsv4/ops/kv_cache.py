@@ -103,11 +103,17 @@ def _check_table(name: str, bt: torch.Tensor, rows_min: int | None = None) -> No
         raise LayoutError(f"{name}: has {bt.shape[0]} rows, needs at least {rows_min} (one per sequence)")
 
 
-def _debug_table(name: str, bt: torch.Tensor, nb: int) -> None:
-    bad = (bt < -1) | (bt >= nb)
+def _check_ids(name: str, t: torch.Tensor, hi: int, what: str) -> None:
+    """Host check (syncs; the ``debug_check`` paths only): every value of ``t`` in ``[-1, hi)``,
+    else ValueError naming ``name``, the first bad position and ``what`` ``hi`` is."""
+    bad = (t < -1) | (t >= hi)
     if bool(bad.any()):
         i = bad.nonzero()[0].tolist()
-        raise ValueError(f"{name}: entry {i} = {int(bt[tuple(i)])} is outside [-1, num_blocks={nb})")
+        raise ValueError(f"{name}[{', '.join(map(str, i))}] = {int(t[tuple(i)])} is outside [-1, {what}={hi})")
+
+
+def _debug_table(name: str, bt: torch.Tensor, nb: int) -> None:
+    _check_ids(name, bt, nb, "num_blocks")
 
 
 # =============================================================================== append

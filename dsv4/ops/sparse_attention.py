@@ -43,7 +43,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, register
 from ..target import Target
 from ._common import dtype_name
-from .kv_cache import _CACHE_PACKING, _cache_info
+from .kv_cache import _CACHE_PACKING, _cache_info, _check_ids
 
 __all__ = ["sparse_attention", "sparse_attention_decode", "window_slots", "compressed_slots", "hca_slots",
            "HEAD_DIM", "WINDOW", "DEFAULT_SCALE"]
@@ -120,11 +120,7 @@ def _(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale, nu
 
 
 def _check_lists(name: str, idx: torch.Tensor, lens_name: str, lens: torch.Tensor, n_slots: int) -> None:
-    bad = (idx < -1) | (idx >= n_slots)
-    if bool(bad.any()):
-        i = bad.nonzero()[0].tolist()
-        raise ValueError(f"sparse_attention: {name}{i} = {int(idx[tuple(i)])} is outside [-1, num_blocks * "
-                         f"block_size = {n_slots})")
+    _check_ids(f"sparse_attention: {name}", idx, n_slots, "num_blocks * block_size")
     if bool((lens < 0).any()) or bool((lens > idx.shape[1]).any()):
         raise ValueError(f"sparse_attention: {lens_name} must lie in [0, {idx.shape[1]}]")
 
