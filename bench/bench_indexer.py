@@ -13,8 +13,8 @@ Prefill: 8192 queries x 16384 entries, causal (the last 8192 tokens of a 65536-t
 and 8192 x 8192 full; TFLOP/s = 2 * 64 * 128 * allowed pairs / time vs the 1716 TFLOP/s FP8 peak;
 DeepGEMM ``fp8_mqa_logits`` with ``clean_logits=True`` (-inf outside the ranges, the same
 output contract as ours) and ``False``.
-Fused decode top-k (``indexer_topk_paged``, when present): time vs logits alone and vs logits +
-the ``topk`` op.
+Decode top-k op (``indexer_topk_paged``; today composed: logits kernel + ``topk`` op, not fused):
+time vs logits alone and vs logits + the ``topk`` op.
 
 Times: CUDA-graph replays (bench._util.time_graph), median; caches rotated past L2 when smaller
 than 240 MB. Cache contents are random bytes with sane scales (timing does not depend on values;
@@ -149,11 +149,12 @@ def bench_decode(args, bw, rows_out, dev, budget, dg):
             try:
                 out = indexer_logits_paged(qd4, qs4, w, caches[0], lens, bt, fmt=fmt)
                 r["us_topk512"] = time_graph([lambda: indexer_topk(out, lens.view(-1), 512)])
-                fused = _fused_topk()
-                if fused is not None:
-                    r["us_fused_logits_top512"] = time_graph(
-                        [lambda c=c: fused(qd4, qs4, w, c, lens, bt, 512, fmt=fmt) for c in caches])
-                    r["fused_over_logits"] = r["us_fused_logits_top512"] / us
+                tp = _topk_paged(fmt, nn, mb * 64, dev)
+                if tp is not None:   # indexer_topk_paged: its provider says whether it is fused
+                    r["us_topk_paged512"] = time_graph(
+                        [lambda c=c: tp(qd4, qs4, w, c, lens, bt, 512, fmt=fmt) for c in caches])
+                    r["topk_paged_provider"] = _provider("indexer_topk_paged")
+                    r["topk_paged_over_logits"] = r["us_topk_paged512"] / us
             except Exception as e:  # noqa: BLE001
                 print(f"top-k timing failed on {name}: {type(e).__name__}: {e}", file=sys.stderr)
         rows_out.append(r)
@@ -162,12 +163,17 @@ def bench_decode(args, bw, rows_out, dev, budget, dg):
         torch.cuda.empty_cache()
 
 
-def _fused_topk():
+def _topk_paged(fmt: str, nn: int, max_ctx: int, dev):
+    """``indexer_topk_paged`` when a kernel provider (not the torch reference) would run it."""
+    from dsv4.ops.indexer import TOPK_PAGED_OP, indexer_topk_paged
+    from dsv4.target import Target
+    prob = {"fmt": fmt, "next_n": nn, "block_size": 64, "max_ctx": max_ctx, "k": 512, "mapped": False,
+            "device": dev.type}
     try:
-        from dsv4.ops.indexer import indexer_topk_paged
-        return indexer_topk_paged
-    except ImportError:
+        _, ch = TOPK_PAGED_OP.select(prob, Target.of(dev))
+    except Exception:  # noqa: BLE001
         return None
+    return None if ch.kind == "torch" else indexer_topk_paged
 
 
 def bench_prefill(args, rows_out, dev, budget, dg):
@@ -202,7 +208,7 @@ def bench_prefill(args, rows_out, dev, budget, dg):
         r = dict(kind="prefill", fmt=fmt, provider=_provider("indexer_logits"), T=T, S=S, causal=causal, us=us,
                  TFLOPs=tf, pct_fp8_peak=100 * tf / FP8_PEAK_TFLOPS)
         if args.dsl_prefill and fmt != "nvfp4":
-            try:   # the DSL prefill kernel, not a registered provider yet (kernels_dsl/indexer.py)
+            try:   # the DSL prefill kernel, whichever provider the registry picks (kernels_dsl/indexer.py)
                 from kernels_dsl.indexer import prefill_logits_dsl
                 r["dsl_us"] = time_graph([lambda: prefill_logits_dsl(qd, qs, w, kd, ksf, ks, ke, fmt=fmt)], iters=4, reps=5)
                 r["dsl_TFLOPs"] = 2 * H * D * pairs / (r["dsl_us"] * 1e-6) / 1e12
@@ -219,6 +225,8 @@ def bench_prefill(args, rows_out, dev, budget, dg):
                 r["deepgemm_fp8_noclean_us"] = time_graph(
                     [lambda: dg.fp8_mqa_logits(q8, (k8, k8s), w8, ks, ke, clean_logits=False)], iters=4, reps=5)
                 r["ours_over_deepgemm"] = us / r["deepgemm_fp8_us"]
+                if "dsl_us" in r:
+                    r["dsl_over_deepgemm"] = r["dsl_us"] / r["deepgemm_fp8_us"]
             except Exception as e:  # noqa: BLE001
                 print(f"DeepGEMM prefill failed: {type(e).__name__}: {e}", file=sys.stderr)
         rows_out.append(r)
@@ -234,8 +242,9 @@ def main(argv=None):
     ap.add_argument("--peers", action="store_true", help="time DeepGEMM (deep_gemm importable) in the same run")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds; later rows are skipped past it")
     ap.add_argument("--only", choices=["decode", "prefill"], default=None)
+    ap.add_argument("--prefill-first", action="store_true", help="prefill rows before the decode rows (short budgets)")
     ap.add_argument("--dsl-prefill", action="store_true",
-                    help="also time the DSL prefill kernel (kernels_dsl.indexer.prefill_logits_dsl, not validated yet)")
+                    help="also time the DSL prefill kernel directly (kernels_dsl.indexer.prefill_logits_dsl)")
     # accepted for the session scripts: the torch eager / compile baselines were dropped (the peer
     # is DeepGEMM, --peers); these flags do nothing
     ap.add_argument("--no-baseline", action="store_true", help=argparse.SUPPRESS)
@@ -255,20 +264,22 @@ def main(argv=None):
     import signal
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))   # `timeout` -> still save the JSON
     try:
-        if args.only in (None, "decode"):
-            bench_decode(args, bw, rows, dev, budget, dg)
-        if args.only in (None, "prefill"):
-            bench_prefill(args, rows, dev, budget, dg)
+        parts = [("decode", lambda: bench_decode(args, bw, rows, dev, budget, dg)),
+                 ("prefill", lambda: bench_prefill(args, rows, dev, budget, dg))]
+        for name, run in (parts[::-1] if args.prefill_first else parts):
+            if args.only in (None, name):
+                run()
     finally:
         save_json(args.json, {"copy_GBps": bw, "fp8_peak_ref": FP8_PEAK_TFLOPS, "deep_gemm": bool(dg),
                               "elapsed_s": time.time() - budget.t0, "rows": rows})
     print_table([r for r in rows if r["kind"] == "decode"],
                 ["fmt", "provider", "B", "entries", "next_n", "us", "pct_copy_bw", "deepgemm_fp8_us",
-                 "ours_over_deepgemm", "us_topk512", "us_fused_logits_top512", "fused_over_logits"],
+                 "ours_over_deepgemm", "us_topk512", "us_topk_paged512", "topk_paged_provider", "topk_paged_over_logits"],
                 title="\ndecode (paged) logits")
     print_table([r for r in rows if r["kind"] == "prefill"],
                 ["fmt", "provider", "S", "causal", "us", "TFLOPs", "pct_fp8_peak", "dsl_us", "dsl_TFLOPs",
-                 "deepgemm_fp8_us", "deepgemm_fp8_noclean_us", "ours_over_deepgemm"], title="\nprefill logits (T = 8192)")
+                 "deepgemm_fp8_us", "deepgemm_fp8_noclean_us", "ours_over_deepgemm", "dsl_over_deepgemm"],
+                title="\nprefill logits (T = 8192)")
     print(f"bench elapsed {time.time() - budget.t0:.0f} s")
 
 

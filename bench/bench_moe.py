@@ -19,7 +19,7 @@ rotating over routings with different active experts while their weights fit in 
 * ``gemm1`` / ``gemm2``: ``moe_gemm1_swiglu`` / ``moe_gemm2`` on the layer's grouping, with
   whatever provider the registry picks;
 * ``old cuda path``: ``moe_experts`` with the torch glue and the CUDA GEMMs (kernels_cuda/moe.py),
-  while that provider exists;
+  where that provider serves the grouping (decode-sized groups);
 * ``torch bf16 grouped mm``: ``torch._grouped_mm`` (bf16, CUTLASS, sm_90) on bf16 weights of the
   same shapes (pre-dequantized: the dequant is not timed; matmul + torch SwiGLU only; falls back
   to a ``torch.bmm`` over a padded [E, max_count] layout when ``_grouped_mm`` is missing).
@@ -386,7 +386,7 @@ def layer_rows(case: LayerCase, bw: float, peak: float, args, w_bf=None, rows=No
     g1 = 2 * case.T * TOPK * 2 * case.I * case.D
     add("gemm1", lambda: case.gemm_fns("gemm1"), nbytes=case.bytes * 2 // 3, flops=g1, est=est * 2 / 3)
     add("gemm2", lambda: case.gemm_fns("gemm2"), nbytes=case.bytes // 3, flops=case.flops - g1, est=est / 3)
-    if not args.no_old and _old_cuda_available():
+    if not args.no_old and _old_cuda_available(case):
         add("old cuda path", case.experts_fns, nbytes=case.bytes, flops=case.flops, est=max(est, t_exp or 0),
             ctx={"moe_route": "torch", "moe_permute": "torch", "moe_combine": "torch", "moe_gemm1_swiglu": "cuda",
                  "moe_gemm2": "cuda"})
@@ -397,10 +397,13 @@ def layer_rows(case: LayerCase, bw: float, peak: float, args, w_bf=None, rows=No
     return rows
 
 
-def _old_cuda_available() -> bool:
+def _old_cuda_available(case) -> bool:
+    """Whether the cuda GEMM provider serves this case's grouping (it declines prefill-sized groups,
+    kernels_cuda/moe.py: the DSL grouped GEMM is faster there)."""
     from dsv4 import registry
     from dsv4.target import Target
-    p = {"fmt": "mxfp4", "act": "fp8", "E": 256, "N": 4096, "K": 4096, "device": "cuda"}
+    p = {"fmt": case.fmt, "act": "fp8", "E": case.E, "N": 2 * case.I, "K": case.D, "R": case.T * TOPK,
+         "max_m": None, "device": "cuda"}
     return bool(registry.get_op("moe_gemm1_swiglu").check("cuda", p, Target.of("cuda")))
 
 

@@ -1,4 +1,4 @@
-"""Benchmark the sparse_attention DSL kernels (not yet validated: needs DSV4_RUN_UNVALIDATED=1) vs the torch reference and the measured rooflines.
+"""Benchmark the sparse_attention DSL kernels vs the torch reference and the measured rooflines.
 
 Cases (issue 14 targets):
 
@@ -12,7 +12,7 @@ Inputs: every request owns its pages of a compressed fp8_ds_mla cache (8192 entr
 context at ratio 4, shuffled block table) and of an SWA cache; CSA lists are random distinct
 entries of the request (all valid), SWA lists the 128-token window. The caches exceed the L2.
 FLOPs = 4 * H * 512 * entries per row (QK^T + PV); KV bytes = rows * entries * 584. Time = median
-of CUDA-graph replays (the provider's launch glue and the split-KV combine included). Rooflines:
+of CUDA-graph replays of the public op (the provider's launch glue and the split-KV combine included). Rooflines:
 bytes / measured device copy bandwidth (read + written) and FLOPs / measured dense BF16 matmul
 peak (torch.matmul 8192^3 in the same run). The torch reference (gather + fp32 math) is timed
 eagerly on the decode cases.
@@ -81,11 +81,8 @@ def main():
     ap.add_argument("--cases", default="", help="comma-separated substrings selecting cases (default: all)")
     ap.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
     args = ap.parse_args()
-    from dsv4.ops.sparse_attention import validate_args
-    from kernels_dsl.sparse_attention import may_run_unvalidated, sparse_attention_dsl
-    if not may_run_unvalidated():
-        raise SystemExit("bench_sparse_attention: the DSL kernel is not validated on the H200 yet (it may hang); "
-                         "set DSV4_RUN_UNVALIDATED=1 to time it anyway (time-box the run)")
+    from dsv4 import registry
+    from dsv4.ops.sparse_attention import sparse_attention
     from dsv4.reference.sparse_attention import sparse_attention_paged_ref
     bw = copy_bandwidth()
     peak = bf16_peak()
@@ -95,19 +92,21 @@ def main():
             continue
         q, swa, sidx, slen, sink, comp, cidx, clen = make_case(rows, H, Ws, K)
 
-        # the dsl kernels through their launcher (the registry offers them only once validated on the H200)
-        args = validate_args(q, swa, sidx, slen, sink, cache=comp, indices=cidx, lens=clen)
-
-        def run():
-            return sparse_attention_dsl(*args)
+        # the public op as users call it (validation + registry dispatch + launch glue; the dsl provider is
+        # the registry default for fp8_ds_mla caches on sm_90a)
+        def run(q=q, swa=swa, sidx=sidx, slen=slen, sink=sink, comp=comp, cidx=cidx, clen=clen):
+            return sparse_attention(q, swa, sidx, slen, sink, cache=comp, indices=cidx, lens=clen)
         run()
+        if registry.last_choice("sparse_attention").kind != "dsl":
+            raise SystemExit(f"sparse_attention ran {registry.last_choice('sparse_attention').kind}, not dsl: "
+                             f"{registry.last_choice('sparse_attention')}")
         from kernels_dsl.sparse_attention import choose_config
         from dsv4.target import Target
         cfg = choose_config(rows, H, Ws + K, Target.of("cuda").sm_count)
         us = time_cuda(run, warmup=3, iters=30, graph=True)
         ref_us = float("nan")
         if not args.no_ref and rows <= 256:
-            ref_us = time_cuda(lambda: sparse_attention_paged_ref(q, swa, sidx, slen, sink, comp, cidx, clen),
+            ref_us = time_cuda(lambda a=(q, swa, sidx, slen, sink, comp, cidx, clen): sparse_attention_paged_ref(*a),
                                warmup=1, iters=5)
         n = Ws + K
         flops = 4.0 * rows * H * 512 * n
@@ -121,7 +120,7 @@ def main():
                    target=(f">= {target:.0f} TFLOP/s" if kind == "tflops" else f">= {100 * target:.0f}% copy BW"),
                    met=(tf >= target) if kind == "tflops" else (gbs / bw >= target))
         rows_out.append(row)
-        del q, swa, sidx, slen, sink, comp, cidx, clen
+        del q, swa, sidx, slen, sink, comp, cidx, clen, run
         torch.cuda.empty_cache()
     print_table(rows_out, ["case", "us", "tflops", "pct_bf16_peak", "kv_GBps", "pct_copy_bw", "all_bytes_pct_bw",
                            "splits", "ref_us", "speedup_vs_ref", "target", "met"],

@@ -82,10 +82,9 @@ VARS: dict[str, Var] = {
         "counter (default), 1 = block-wide scan compaction, one atomic per CTA per tile "
         "(`kernels_cuda/topk.py`, read at import). Same results either way."),
     # ---------------------------------------------------------------- MoE prefill (kernels_cuda/moe.py)
-    "DSV4_MOE_KERNEL": Var("choice", "v4", ("v1", "v2", "v3", "v4"),
+    "DSV4_MOE_KERNEL": Var("choice", "v4", ("v3", "v4"),
         "Grouped-GEMM kernel of `moe.cu`: `v4` = warp-specialized producer / consumer warpgroups (FP8 "
-        "activations; W4A16 runs v3), `v3` = cp.async ring + 128B-swizzled operands, `v2` = v3 without "
-        "swizzle, `v1` = register prefetch (NVFP4 W4A8 runs v2). All pass the GPU tests."),
+        "activations; W4A16 runs v3), `v3` = cp.async ring + 128B-swizzled operands. Both pass the GPU tests."),
     "DSV4_MOE_V4_PWG": Var("int", 2, (1, 2),
         "Producer warpgroups of the v4 kernel (`V4_PWG`)."),
     "DSV4_MOE_V4_STAGES": Var("int", None, range(2, 9),
@@ -101,13 +100,13 @@ VARS: dict[str, Var] = {
         "1: allow benchmark-only diagnostic kernels that compute wrong results (`DSV4_MOE_DIAG`). Set "
         "by `bench/bench_moe.py` and `scripts/gpu_moe_prefill.sh` around their diagnostics rows only."),
     "DSV4_RUN_UNVALIDATED": Var("flag", 0, _FLAG,
-        "1: the GPU tests and benchmarks of kernels not yet validated on the H200 (the sparse-attention "
-        "DSL kernel, `kernels_dsl/sparse_attention.py` `VALIDATED = False`) run them; otherwise they "
+        "1: the GPU tests and benchmarks of kernels not yet validated on the H200 (the indexer prefill DSL kernel for FP8 keys, "
+        "`kernels_dsl/indexer.py` `PREFILL_VALIDATED`, which the registry then picks) run them; otherwise they "
         "skip. Such a kernel may hang or fault: set it only in a time-boxed validation job."),
     # ---------------------------------------------------------------- MoE decode (kernels_cuda/moe_decode.py)
     "DSV4_MOE_DECODE": Var("flag", 1, _FLAG,
-        "0: never use the decode kernel (`moe_decode.cu`); every grouped GEMM runs the prefill kernel "
-        "(`moe.cu`)."),
+        "0: never use the CUDA decode kernel (`moe_decode.cu`); the grouped GEMMs then run on the CuTe DSL "
+        "provider."),
     "DSV4_MOE_DECODE_MAXM": Var("int", 16, range(0, 17),
         "Largest `ceil(R / E)` (masked layout: `max_m`) sent to the decode kernel (at most 16; 0 = "
         "never)."),
@@ -130,9 +129,9 @@ VARS: dict[str, Var] = {
         "Largest device-side split-K factor of the decode kernel (it picks the smallest power of two "
         "that fills the grid); 1 = off."),
     # ---------------------------------------------------------------- tests only
-    "DSV4_MOE_TEST_VERSIONS": Var("str", "v1,v2,v3,v4,dsl", None,
-        "Tests only: comma list of grouped-GEMM implementations the GPU tests of `tests/test_moe.py` run: "
-        "`v1`..`v4` = the cuda provider with that `DSV4_MOE_KERNEL` version, `dsl` = the CuTe DSL provider."),
+    "DSV4_MOE_TEST_VERSIONS": Var("str", "dsl", None,
+        "Tests only: comma list of grouped-GEMM providers the prefill-sized GPU tests of `tests/test_moe.py` "
+        "run (`dsl`; `cuda` only where it serves the problem)."),
     "DSV4_RESULTS_DIR": Var("str", "", None,
         "Tests only: directory where `tests/test_indexer.py` GPU gates write their measured results "
         "(JSON); empty = not written."),

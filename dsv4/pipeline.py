@@ -15,18 +15,18 @@ of the context:
    ``context // 4`` entries (DSV4 decode, no causal mask across the step's MTP rows; the
    ``[B]`` ``context_lens`` of ``indexer_logits_paged``)             (``topk``)
 6. the attention lists: each query row's 128-token window (ring slots) and its top-k entries,
-   as physical slots of the two caches (``window_slots`` / ``compressed_slots``: torch glue on
-   the device, no sync)
+   as physical slots of the two caches, in one launch                (``attn_lists``)
 7. sparse attention with the per-head sink straight from the two FP8 caches (``sparse_attention``)
 
 ``--layer hca`` (ratio 128, no indexer): the compressor turns the context's KV into
 ``context // 128`` entries (``kv_compress_prefill``: softmax-gated pooling, RMSNorm, RoPE, FP8),
 the window goes into the SWA ring (``kv_cache_append``), every query row attends to its window and
-to *all* causally available compressed entries (``hca_slots``, ``sparse_attention``).
+to *all* causally available compressed entries (``attn_lists`` kind hca, ``sparse_attention``).
 ``--layer swa`` (SWA-only layers): ring append, window lists, attention over the window alone.
 
 Then quality against the FP32 path (unquantized q/K logits, FP32 top-k, unquantized KV / FP32
-compressor output): top-k recall (CSA) and attention-output cosine. Every stage reports the
+compressor output): top-k recall (CSA) and attention-output cosine (CSA also on the pipeline's own
+top-k lists, "same lists": the attention and FP8 KV error without the selection difference). Every stage reports the
 provider that ran it and why (the registry), its time and its achieved bandwidth / FLOP rate
 against the roofline (bytes / measured copy bandwidth; FLOPs / the measured dense tensor-core
 peak).
@@ -291,7 +291,8 @@ def run_layer(args: argparse.Namespace) -> dict:
     """Run ``dsv4 run`` (``args`` from :func:`dsv4.cli.build_parser`): the attention path of one
     ``--layer csa|hca|swa`` layer; prints the stage table and returns the JSON-able result."""
     from .ops.kv_cache import kv_cache_append, kv_compress_prefill
-    from .ops.sparse_attention import compressed_slots, hca_slots, sparse_attention, window_slots
+    from .ops.attn_lists import attn_lists
+    from .ops.sparse_attention import sparse_attention
     from .registry import last_choice
 
     device, layer, on_gpu, m, defaults, context, B = _setup(args)
@@ -344,26 +345,27 @@ def run_layer(args: argparse.Namespace) -> dict:
     state: dict[str, Any] = {}
     # (name, op or None, fn, bytes, flops, roofline, reason for glue stages)
     stages: list[tuple] = []
-    glue = "index glue: torch ops on the device (no sync, graph-capturable)"
 
     def st_swa_append():
         kv_cache_append(swa_cache, kv_swa.reshape(-1, KV_DIM), swa_slots)
 
+    def lists(**comp):
+        # one attn_lists launch: the window (the ring holds positions context-128 .. context-1: earlier
+        # MTP rows see fewer than 128) and the layer's compressed list
+        r = attn_lists(t_row, req, swa_bt, BLOCK, ring=WINDOW, first=context - WINDOW,
+                       swa_num_blocks=swa_cache.shape[0], **comp)
+        state["w_slots"], state["w_lens"], state["c_slots"], state["c_lens"] = r
+
     def st_window():
-        # the ring holds positions context-128 .. context-1: earlier MTP rows see fewer than 128
-        state["w_slots"], state["w_lens"] = window_slots(t_row, req, swa_bt, BLOCK, ring=WINDOW,
-                                                         first=context - WINDOW, num_blocks=swa_cache.shape[0])
+        lists()
 
     if layer == "csa":
         kv_cache, bt, lens, csa_stages = _csa_stages(p, d, g, state, swa_cache, swa_slots, kv_swa)
         stages += csa_stages
 
         def st_lists():
-            st_window()
-            state["c_slots"], state["c_lens"] = compressed_slots(state["idx"], req, bt, BLOCK,
-                                                                 num_blocks=kv_cache.shape[0])
-        stages.append(("attn_lists", None, st_lists, T * (WINDOW + p.k) * 12, 0.0, "bw", glue + " (window_slots, "
-                       "compressed_slots)"))
+            lists(kind="csa", block_table=bt, block_size=BLOCK, entries=state["idx"], num_blocks=kv_cache.shape[0])
+        stages.append(("attn_lists", "attn_lists", st_lists, T * (WINDOW + p.k) * 12, 0.0, "bw", ""))
     elif layer == "hca":
         kv_cache, bt, hca_in = _hca_cache(p, g)
         cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * context
@@ -377,17 +379,15 @@ def run_layer(args: argparse.Namespace) -> dict:
                        "bw", ""))
 
         def st_lists():
-            st_window()
-            state["c_slots"], state["c_lens"] = hca_slots(t_row, req, bt, BLOCK, p.S, ratio=ratio,
-                                                          num_blocks=kv_cache.shape[0])
-        stages.append(("attn_lists", None, st_lists, T * (WINDOW + p.S) * 8, 0.0, "bw",
-                       glue + " (window_slots, hca_slots)"))
+            lists(kind="hca", block_table=bt, block_size=BLOCK, max_entries=p.S, ratio=ratio,
+                  num_blocks=kv_cache.shape[0])
+        stages.append(("attn_lists", "attn_lists", st_lists, T * (WINDOW + p.S) * 8, 0.0, "bw", ""))
         state["hca_in"] = hca_in
     else:
         kv_cache = None
         stages.append(("kv_cache_append", "kv_cache_append", st_swa_append, B * WINDOW * (KV_DIM * 2 + 584), 0.0,
                        "bw", ""))
-        stages.append(("attn_lists", None, st_window, T * WINDOW * 8, 0.0, "bw", glue + " (window_slots)"))
+        stages.append(("attn_lists", "attn_lists", st_window, T * WINDOW * 8, 0.0, "bw", ""))
 
     def st_attention():
         comp = {} if kv_cache is None else dict(cache=kv_cache, indices=state["c_slots"], lens=state["c_lens"])
@@ -566,7 +566,7 @@ def _quality(p: Problem, d: dict, q_attn, kv_swa, sink, t_row, state) -> dict:
     wpos = torch.arange(first, p.context, device=dev).view(1, -1)
     wvalid = (wpos <= t_row.view(-1, 1)) & (wpos > t_row.view(-1, 1) - WINDOW)
     win = kv_swa[req.view(-1, 1), (wpos - first).expand(T, -1)]                         # [T, 128, 512]
-    recall = None
+    recall = same_cos = None
     if p.layer == "csa":
         c = state["csa"]
         q, K, w, kv, lens = c["q"], c["K"], c["w"], c["kv"], c["lens"]
@@ -590,6 +590,12 @@ def _quality(p: Problem, d: dict, q_attn, kv_swa, sink, t_row, state) -> dict:
         kv_ref = torch.cat([win, comp], dim=1)
         valid = torch.cat([wvalid, ref_i >= 0], dim=1)
         note = "vs the FP32 path: unquantized q/K logits, FP32 top-k, unquantized bf16 KV"
+        # the attention alone: the pipeline's own lists over unquantized KV (no top-k selection difference)
+        own = state["idx"].long()
+        same = sparse_attention_ref(q_attn, torch.cat([win, kv[req.view(-1, 1), own.clamp_min(0)]], dim=1),
+                                    torch.cat([wvalid, own >= 0], dim=1), sink, KV_DIM ** -0.5)
+        same_cos = torch.nn.functional.cosine_similarity(state["out"].reshape(T * p.heads, -1).double(),
+                                                         same.reshape(T * p.heads, -1).double(), dim=1)
     elif p.layer == "hca":
         from .reference.kv_cache import compress_finish_ref, compress_pool_ref
         h = state["hca_in"]
@@ -610,7 +616,9 @@ def _quality(p: Problem, d: dict, q_attn, kv_swa, sink, t_row, state) -> dict:
                                                 o_ref.reshape(T * p.heads, -1).double(), dim=1)
     return {"topk_recall_mean": None if recall is None else float(recall.mean()),
             "topk_recall_min": None if recall is None else float(recall.min()),
-            "attn_cosine_mean": float(cos.mean()), "attn_cosine_min": float(cos.min()), "note": note}
+            "attn_cosine_mean": float(cos.mean()), "attn_cosine_min": float(cos.min()),
+            "attn_cosine_same_lists_mean": None if same_cos is None else float(same_cos.mean()),
+            "attn_cosine_same_lists_min": None if same_cos is None else float(same_cos.min()), "note": note}
 
 
 def _print(results: list[StageResult], quality: dict, bw: float, on_gpu: bool) -> None:
@@ -645,8 +653,10 @@ def _print(results: list[StageResult], quality: dict, bw: float, on_gpu: bool) -
                 "are only meaningful on a GPU")
     rec = "" if quality["topk_recall_mean"] is None else (
         f"top-k recall mean {quality['topk_recall_mean']:.4f} (min {quality['topk_recall_min']:.4f}); ")
+    same = "" if quality.get("attn_cosine_same_lists_mean") is None else (
+        f"; same lists {quality['attn_cosine_same_lists_mean']:.6f} (min {quality['attn_cosine_same_lists_min']:.6f})")
     c.print(f"quality vs FP32 path: {rec}attention output cosine mean "
-            f"{quality['attn_cosine_mean']:.6f} (min {quality['attn_cosine_min']:.6f})")
+            f"{quality['attn_cosine_mean']:.6f} (min {quality['attn_cosine_min']:.6f}){same}")
 
 
 def _g3(x: float) -> str:

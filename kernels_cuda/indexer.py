@@ -143,7 +143,8 @@ class CudaLogits(_Base):
                 "fused ReLU x w")
 
     def supports_problem(self, problem):
-        return Support.yes("sm_90a, every format (exact BF16 path; the DSL prefill kernel is not validated yet)")
+        return Support.yes("sm_90a, every format (exact BF16 path); the dsl prefill kernel is listed first and "
+                           "serves MXFP4 keys, so this one runs FP8 / NVFP4 keys")
 
     def run(self, problem, *, q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global):
         fmt = problem["fmt"]

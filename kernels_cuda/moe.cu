@@ -31,19 +31,18 @@
 //     lo is rounded (still closer than hi alone). Cheap path, decided on the device per (CTA, k-block) with no host sync: a row whose 8
 //     scales are all powers of two (or 0; NVIDIA's lossless MXFP4 -> NVFP4 re-encoding) has lo == 0;
 //     its lo row is zero-filled once per buffer and the lo WGMMAs of a k-block run only when some
-//     row of the tile needs them (v2/v3: __syncthreads_or vote + predicated wgmma; v4: per-warp
+//     row of the tile needs them (v3: __syncthreads_or vote + predicated wgmma; v4: per-warp
 //     __any_sync flag bytes next to the slot). Before (one E4M3 rounding of level * sf): 17% rel.
 //     error of the layer vs the exact reference on the GPU test; after: as MXFP4 (tests/test_moe.py).
 //   W4A16: FP4 * scale decoded exactly to bf16, BF16 WGMMA accumulates all of K.
 // Global scales (per expert; gate/up separate for W13) multiply in the epilogue.
 //
-// Kernels (kernels_cuda/moe.py DSV4_MOE_KERNEL; all GPU-validated on the H200, 2026-11-29):
-//   v1 moe_gemm_kernel: BM = 64 x BN = 256, 256 threads = 2 warpgroups (each m64n128), register
-//     prefetch of the next k-block, no-swizzle operands. No NVFP4 hi + lo path: NVFP4 W4A8 runs v2.
-//   v2 / v3 moe_gemm_kernel_v2 (MOE_SW128 = 0 / 1): same tiles, cp.async ring of raw k-blocks (A tile
-//     + packed E2M1 rows + scale bytes), every thread decodes its weight row from shared memory into a
-//     double-buffered WGMMA B tile while the WGMMAs of the previous block run; v3 = 128B-swizzled
-//     operands (1.1-1.8x v2).
+// Kernels (kernels_cuda/moe.py DSV4_MOE_KERNEL; GPU-validated on the H200, 2026-11-29; the older v1
+// (register prefetch, no swizzle) and v2 (v3 with no-swizzle operands) were dominated by v3 and deleted):
+//   v3 moe_gemm_kernel_v3: BM = 64 x BN = 256, 256 threads = 2 warpgroups (each m64n128), cp.async ring
+//     of raw k-blocks (A tile + packed E2M1 rows + scale bytes), every thread decodes its weight row from
+//     shared memory into a double-buffered 128B-swizzled WGMMA B tile while the WGMMAs of the previous
+//     block run.
 //   v4 moe_gemm_kernel_v4 (default; FP8 activations only, W4A16 runs v3): BM = 128, warp-specialized
 //     (1 or 2 producer warpgroups decode + load, 2 consumer warpgroups run WGMMA + promotion, mbarrier
 //     full/empty ring, setmaxnreg), see the v4 section below. W4A8 prefill 1.6-1.7x v3: Flash 16x2048
@@ -54,7 +53,7 @@
 // are read on the device and prefix-summed in shared memory; empty experts have no tiles.
 //
 // Macros: MOE_ACT (0 = FP8 E4M3, 1 = BF16), MOE_WFMT (0 = MXFP4, 1 = NVFP4), MOE_STAGE (1, 2),
-// MOE_SW128 (v2 kernel operand layout), MOE_STAGES (cp.async ring depth), MOE_DIAG (bench only),
+// MOE_STAGES (v3 cp.async ring depth), MOE_DIAG (bench only),
 // V4_PWG / V4_STAGES / V4_PREG (v4 producer warpgroups, ring depth, producer registers).
 #include "moe.cuh"
 
@@ -78,118 +77,13 @@
 #define KBYTES 256  // bf16
 #endif
 #define NCORE (KBYTES / 16)
-#define SBO_BYTES (NCORE * 128)
 #define A_TILE_BYTES (BM * KBYTES)
 #define B_TILE_BYTES (BN * KBYTES)
-#define STAGE_BYTES (A_TILE_BYTES + B_TILE_BYTES)
 #if MOE_WFMT == 0
 #define SF_PER_K 32
 #else
 #define SF_PER_K 16
 #endif
-
-// shared-memory byte offset of (row, 16-byte chunk c) in a core-matrix blocked tile
-DSV4_DEVICE u32 tile_off(int row, int c) { return (u32)((((row >> 3) * NCORE + c) << 7) + ((row & 7) << 4)); }
-
-struct WRegs {
-  u32x4 v[4];  // 64 packed bytes = 128 E2M1 of one row, one K block
-#if MOE_WFMT == 0
-  u32 sf;      // 4 UE8M0 bytes
-#else
-  u32x2 sf;    // 8 E4M3 bytes
-#endif
-};
-
-DSV4_DEVICE void load_w(WRegs& r, const u8* wrow, const u8* srow, int kb) {
-#pragma unroll
-  for (int c = 0; c < 4; ++c) r.v[c] = ld_global_nc_v4(wrow + kb * 64 + c * 16);
-#if MOE_WFMT == 0
-  r.sf = ld_global_nc_u32(srow + kb * 4);
-#else
-  r.sf = ld_global_nc_v2(srow + kb * 8);
-#endif
-}
-
-// decode one row's K block into the B tile (row n); returns the per-(n, kb) promotion factor
-DSV4_DEVICE float decode_w(const WRegs& r, u32 sB, int n) {
-#if MOE_ACT == 0
-#if MOE_WFMT == 0
-  const int e0 = r.sf & 0xFF, e1 = (r.sf >> 8) & 0xFF, e2 = (r.sf >> 16) & 0xFF, e3 = r.sf >> 24;
-  const int emax = max(max(e0, e1), max(e2, e3));
-  const int es[4] = {e0, e1, e2, e3};
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    u32 la, lb;
-    e2m1_e4m3_lut(exp2i(max(es[c] - emax + 6, -30)), la, lb);
-    u32 o[8];
-    const u32 w[4] = {r.v[c].x, r.v[c].y, r.v[c].z, r.v[c].w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) e2m1x8_to_e4m3x8(w[q], la, lb, o[2 * q], o[2 * q + 1]);
-    st_shared_v4(sB + tile_off(n, 2 * c), o[0], o[1], o[2], o[3]);
-    st_shared_v4(sB + tile_off(n, 2 * c + 1), o[4], o[5], o[6], o[7]);
-  }
-  return exp2i(max(emax - 127 - 6, -149));
-#else
-  float sf[8];
-  e4m3x2_to_f32x2(r.sf.x, sf[0], sf[1]);
-  e4m3x2_to_f32x2(r.sf.x >> 16, sf[2], sf[3]);
-  e4m3x2_to_f32x2(r.sf.y, sf[4], sf[5]);
-  e4m3x2_to_f32x2(r.sf.y >> 16, sf[6], sf[7]);
-  float sm = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) sm = fmaxf(sm, sf[i]);
-  const int base = sm > 0.0f ? (int)((__float_as_uint(sm) >> 23) & 0xFF) - 127 - 5 : 0;
-  const float inv = exp2i(-base);
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const u32 w[4] = {r.v[c].x, r.v[c].y, r.v[c].z, r.v[c].w};
-    u32 o[8];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // two 16-element groups per 32-element chunk
-      u32 la, lb;
-      e2m1_e4m3_lut(sf[2 * c + h] * inv, la, lb);
-      e2m1x8_to_e4m3x8(w[2 * h], la, lb, o[4 * h], o[4 * h + 1]);
-      e2m1x8_to_e4m3x8(w[2 * h + 1], la, lb, o[4 * h + 2], o[4 * h + 3]);
-    }
-    st_shared_v4(sB + tile_off(n, 2 * c), o[0], o[1], o[2], o[3]);
-    st_shared_v4(sB + tile_off(n, 2 * c + 1), o[4], o[5], o[6], o[7]);
-  }
-  return exp2i(base);
-#endif
-#else  // BF16 activations: exact bf16 weights, scale folded
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const u32 w[4] = {r.v[c].x, r.v[c].y, r.v[c].z, r.v[c].w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-#if MOE_WFMT == 0
-      const float sc = ue8m0_to_f32((r.sf >> (8 * c)) & 0xFFu);
-#else
-      const u32 sb = (c < 2 ? r.sf.x : r.sf.y) >> (16 * (c & 1) + 8 * (q >> 1));
-      const float sc = e4m3_to_f32(sb & 0xFFu);
-#endif
-      u32 o[4];
-      e2m1x8_to_bf16x8_scaled(w[q], sc, o);
-      st_shared_v4(sB + tile_off(n, 4 * c + q), o[0], o[1], o[2], o[3]);
-    }
-  }
-  return 1.0f;
-#endif
-}
-
-DSV4_DEVICE void load_a(u32 sA, const u8* A, i64 row0, int nrows, int K, int kb, int tid) {
-  // A tile: BM rows x KBYTES bytes; rows past nrows re-read the last valid row (never stored)
-  constexpr int CHUNKS = BM * NCORE;
-#pragma unroll
-  for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
-    const int ch = tid + i * NTHREADS;
-    const int row = ch / NCORE, c = ch % NCORE;
-    const int rr = row < nrows ? row : nrows - 1;
-    const u8* g = A + (row0 + rr) * (i64)K * (KBYTES / BK) + (i64)kb * KBYTES + c * 16;
-    cp_async16(sA + tile_off(row, c), g);
-  }
-  cp_async_commit();
-}
 
 // epilogue of one (m-tile, n-tile): res = the thread's 64 FP32 results (fragment layout, moe.cuh)
 DSV4_DEVICE void epilogue(const float* res, const float* __restrict__ W_g, const float* __restrict__ route_w,
@@ -283,141 +177,8 @@ DSV4_DEVICE void epilogue(const float* res, const float* __restrict__ W_g, const
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) moe_gemm_kernel(
-    const u8* __restrict__ A,           // [R, K] e4m3 bytes or bf16
-    const float* __restrict__ A_s,      // [R, K/128] fp32 (FP8 only)
-    const u8* __restrict__ W,           // [E, N, K/2] packed E2M1 (prepared)
-    const u8* __restrict__ W_s,         // [E, N, K/SF] scale bytes
-    const float* __restrict__ W_g,      // stage 1: [E, 2] (gate, up); stage 2: [E]
-    const int* __restrict__ row_start,  // [E]
-    const int* __restrict__ row_count,  // [E]
-    const float* __restrict__ route_w,  // [R] (stage 1)
-    void* __restrict__ out,             // stage 1: [R, N/2] e4m3 / bf16; stage 2: [R, N] fp32
-    float* __restrict__ out_s,          // stage 1 FP8: [R, N/2/128]
-    int E, int N, int K) {
-  extern __shared__ __align__(128) u8 smem[];
-  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
-  float* sScaleB = reinterpret_cast<float*>(smem + 2 * STAGE_BYTES);  // [2][BN]
-  float* sAmax = sScaleB + 2 * BN;                                     // [2][BM]
-  int* sPrefix = reinterpret_cast<int*>(sAmax + 2 * BM);               // [E + 1]
-  const u32 s_base = smem_u32(smem);
-
-  // per-expert m-tile prefix sums (device-side counts; no host sync)
-  if (tid < 32) {
-    int carry = 0;
-    for (int b = 0; b < E; b += 32) {
-      const int e = b + lane;
-      int v = e < E ? (row_count[e] + BM - 1) / BM : 0;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(0xFFFFFFFFu, v, o);
-        if (lane >= o) v += t;
-      }
-      if (e < E) sPrefix[e + 1] = carry + v;
-      carry += __shfl_sync(0xFFFFFFFFu, v, 31);
-    }
-    if (lane == 0) sPrefix[0] = 0;
-  }
-  __syncthreads();
-  const int NT = N / BN, KB = K / BK;
-  const int total = sPrefix[E] * NT;
-  const int r0 = warp * 16 + (lane >> 2);  // accumulator rows r0, r0 + 8 of this thread
-
-  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const int mt = tile / NT, nt = tile - mt * NT;
-    int lo = 0, hi = E - 1;  // expert e: sPrefix[e] <= mt < sPrefix[e+1]
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (sPrefix[mid] <= mt) lo = mid; else hi = mid - 1;
-    }
-    const int e = lo;
-    const int mloc = (mt - sPrefix[e]) * BM;
-    const i64 row0 = (i64)row_start[e] + mloc;
-    const int nrows = min(BM, row_count[e] - mloc);
-    const int n0 = nt * BN;
-    // this thread decodes weight row n0 + tid
-    const u8* wrow = W + ((i64)e * N + n0 + tid) * (K / 2);
-    const u8* srow = W_s + ((i64)e * N + n0 + tid) * (K / SF_PER_K);
-
-    float acc[64];
-#if MOE_ACT == 0
-    float tot[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) tot[i] = 0.0f;
-    const i64 ra = row0 + min(r0, nrows - 1), rb = row0 + min(r0 + 8, nrows - 1);
-#endif
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-
-    // prologue: stage 0
-    {
-      WRegs wr;
-      load_a(s_base, A, row0, nrows, K, 0, tid);
-      load_w(wr, wrow, srow, 0);
-      sScaleB[tid] = decode_w(wr, s_base + A_TILE_BYTES, tid);
-      cp_async_wait_all();
-      fence_proxy_async();
-      __syncthreads();
-    }
-    for (int kb = 0; kb < KB; ++kb) {
-      const int st = kb & 1;
-      const u32 sA = s_base + st * STAGE_BYTES, sB = sA + A_TILE_BYTES;
-      const bool more = kb + 1 < KB;
-      WRegs wr;
-      if (more) {
-        load_a(s_base + (st ^ 1) * STAGE_BYTES, A, row0, nrows, K, kb + 1, tid);
-        load_w(wr, wrow, srow, kb + 1);
-      }
-#if MOE_ACT == 0
-      const float sa0 = __ldg(A_s + ra * KB + kb), sa1 = __ldg(A_s + rb * KB + kb);
-#endif
-#pragma unroll
-      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
-      wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < BK * (KBYTES / BK) / 32; ++s) {
-        const u64 da = make_desc(sA + s * 256, 128, SBO_BYTES);
-        const u64 db = make_desc(sB + wg * (128 / 8) * SBO_BYTES + s * 256, 128, SBO_BYTES);
-#if MOE_ACT == 0
-        wgmma_m64n128k32_e4m3(acc, da, db, s > 0 ? 1 : 0);
-#else
-        wgmma_m64n128k16_bf16(acc, da, db, (kb > 0 || s > 0) ? 1 : 0);
-#endif
-      }
-      wgmma_commit();
-      if (more) sScaleB[(st ^ 1) * BN + tid] = decode_w(wr, s_base + (st ^ 1) * STAGE_BYTES + A_TILE_BYTES, tid);
-      wgmma_wait0();
-#pragma unroll
-      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
-#if MOE_ACT == 0
-      {
-        const float* sb = sScaleB + st * BN + wg * 128 + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const float b0 = sb[8 * j], b1 = sb[8 * j + 1];
-          tot[4 * j + 0] += acc[4 * j + 0] * (sa0 * b0);
-          tot[4 * j + 1] += acc[4 * j + 1] * (sa0 * b1);
-          tot[4 * j + 2] += acc[4 * j + 2] * (sa1 * b0);
-          tot[4 * j + 3] += acc[4 * j + 3] * (sa1 * b1);
-        }
-      }
-#endif
-      cp_async_wait_all();
-      fence_proxy_async();
-      __syncthreads();
-    }
-#if MOE_ACT == 0
-    float* res = tot;
-#else
-    float* res = acc;
-#endif
-
-    epilogue(res, W_g, route_w, out, out_s, sAmax, e, row0, nrows, nt, n0, N, wg, lane, r0);
-  }
-}
-
 // =====================================================================================
-// v2: cp.async ring of STAGES raw k-blocks (A tile + packed FP4 rows + scale bytes), FP4 decode
+// v3: cp.async ring of STAGES raw k-blocks (A tile + packed FP4 rows + scale bytes), FP4 decode
 // from shared memory into a double-buffered WGMMA B tile while the WGMMAs of the previous block
 // run. Each thread copies and decodes its own weight row (no barrier between its cp.async wait
 // and its decode); one __syncthreads per k-block. MXFP4/FP8 decode uses a per-CTA table of the
@@ -439,27 +200,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) moe_gemm_kernel(
 #define SLOT_BYTES (A_TILE_BYTES + PK_BYTES + SC_BYTES)
 #define RING_BYTES (MOE_STAGES * SLOT_BYTES)
 
-#ifndef MOE_SW128
-#define MOE_SW128 1
-#endif
-// WGMMA operand tile offset of (row, 16-byte chunk c) in a tile of R rows.
-// MOE_SW128=1: K-major 128-byte swizzle (descriptor layout type 1): rows of 128 B, chunk c of row r at
-//   ((c ^ r) & 7) * 16, 8-row atoms of 1024 B (SBO = 1024); a 256-B bf16 K block is two such regions.
-// MOE_SW128=0: no-swizzle core-matrix layout (tile_off above).
+// WGMMA operand tile offset of (row, 16-byte chunk c) in a tile of R rows: K-major 128-byte swizzle
+// (descriptor layout type 1): rows of 128 B, chunk c of row r at ((c ^ r) & 7) * 16, 8-row atoms of
+// 1024 B (SBO = 1024); a 256-B bf16 K block is two such regions.
 DSV4_DEVICE u32 op_off(int row, int c, int R) {
-#if MOE_SW128
   return (u32)((c >> 3) * (R * 128) + row * 128 + (((c ^ row) & 7) << 4));
-#else
-  return tile_off(row, c);
-#endif
 }
 DSV4_DEVICE u64 op_desc(u32 tile, int row0, int s, int R) {  // k-step s (32 bytes) of rows [row0, row0+64/128)
-#if MOE_SW128
   u64 d = make_desc(tile + (s >> 2) * (R * 128) + row0 * 128 + (s & 3) * 32, 0, 1024);
   return d | (1ull << 62);
-#else
-  return make_desc(tile + (row0 / 8) * SBO_BYTES + s * 256, 128, SBO_BYTES);
-#endif
 }
 
 DSV4_DEVICE u32 pk_off(int n, int c) { return (u32)(n * 64 + (((c ^ (n >> 1)) & 3) << 4)); }
@@ -609,7 +358,7 @@ DSV4_DEVICE float decode_v2(u32 slot, u32 sB, int n, const u32x2* sLut, u32& nee
                            need, clean);
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) moe_gemm_kernel_v2(
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) moe_gemm_kernel_v3(
     const u8* __restrict__ A, const float* __restrict__ A_s, const u8* __restrict__ W,
     const u8* __restrict__ W_s, const float* __restrict__ W_g, const int* __restrict__ row_start,
     const int* __restrict__ row_count, const float* __restrict__ route_w, void* __restrict__ out,

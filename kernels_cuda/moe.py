@@ -1,17 +1,18 @@
-"""CUDA (NVRTC) providers for the DSV4 MoE grouped GEMMs: ``moe.cu`` (WGMMA, sm_90a).
+"""CUDA (NVRTC) providers for the DSV4 MoE grouped GEMMs: ``moe_decode.cu`` (swap-AB decode kernel,
+few rows per expert) and ``moe.cu`` (WGMMA prefill kernels, sm_90a).
 
-One kernel source, specialized by macros: MOE_ACT (0 FP8 E4M3 / 1 BF16 activations), MOE_WFMT
+Where they run (:class:`_CudaMoEBase`.supports): the registry tries ``cuda`` first
+(``dsv4.ops.moe.GEMM_KINDS``) and this provider accepts a problem only where a CUDA kernel is
+measured faster than the CuTe DSL grouped GEMM (kernels_dsl/moe.py), with that reason: the decode
+kernel at ``<= DECODE_MAX_M`` rows per expert (job moe-12, 2026-12-01: 1.4-1.6x dsl at T=4..256),
+and the moe.cu prefill kernels for the (act, fmt) classes in :data:`PREFILL_FASTER` (none: the DSL
+kernel is 1.29-1.48x faster for Flash MXFP4 W4A8 prefill in the same job). Everything else goes to
+``dsl``. (Forcing ``cuda`` on a problem it declines raises ``ProviderUnavailableError``.)
+
+One prefill kernel source, specialized by macros: MOE_ACT (0 FP8 E4M3 / 1 BF16 activations), MOE_WFMT
 (0 MXFP4 / 1 NVFP4 weights), MOE_STAGE (1 = GEMM1 + SwiGLU (+ FP8 requant), 2 = GEMM2).
 Persistent launch: grid = min(upper bound of tiles, #SMs); the kernel reads per-expert row
 counts on the device (no host sync; CUDA-graph capturable).
-
-Why these stay the default: the CuTe DSL provider (kernels_dsl/moe.py, the sm90 grouped GEMM) is
-correct within the precision contract on the H200 but measured slower (job moegemm-03,
-2026-12-01, DSV4-Flash MXFP4 W4A8, GEMM1 + GEMM2, CUDA-graph replay: T=4 349 us, T=64 5.1 ms,
-T=4096 8.7 ms = 142 TFLOP/s, vs these kernels' 80-417 us decode and 434 TFLOP/s prefill in
-docs/benchmarks.md): its 3-warp operand transform and per-unit scale prologue are the limiter.
-The registry therefore prefers ``cuda`` for both ops (``dsv4.ops.moe.GEMM_KINDS``); the reason
-string of :class:`_CudaMoEBase` says so.
 """
 from __future__ import annotations
 
@@ -39,23 +40,19 @@ def _sm_count(idx: int) -> int:
 
 def kernel_version() -> str:
     """``DSV4_MOE_KERNEL``: ``v4`` (default: warp-specialized producer/consumer warpgroups through
-    mbarriers, 128-row tiles; FP8 activations only, W4A16 runs v3), ``v3`` (cp.async ring + smem
-    decode by the WGMMA warps, 128B-swizzled operands), ``v2`` (v3 with no-swizzle operands) or ``v1``
-    (register prefetch, no swizzle). All pass the GPU tests on the H200 (2026-11-29); W4A8 prefill:
-    v4 is 1.6-1.7x faster than v3, v3 1.1-1.8x faster than v2.
+    mbarriers, 128-row tiles; FP8 activations only, W4A16 runs v3) or ``v3`` (cp.async ring + smem
+    decode by the WGMMA warps, 128B-swizzled operands). Both pass the GPU tests on the H200
+    (2026-11-29); W4A8 prefill: v4 is 1.6-1.7x faster than v3. (v1 / v2, slower than v3, were deleted.)
     Per (act, fmt) the kernel actually run is :func:`effective_version`.
     Raises: ValueError naming ``DSV4_MOE_KERNEL`` for any other value (dsv4/config.py)."""
     return env_choice("DSV4_MOE_KERNEL", DEFAULT_VERSION)
 
 
 def effective_version(act: str, fmt: str, version: str | None = None) -> str:
-    """The kernel run for ``(act, fmt)``: v4 has no BF16 (W4A16) path -> v3; v1 has no exact NVFP4
-    W4A8 path (hi + lo split, moe.cu) -> v2."""
+    """The kernel run for ``(act, fmt)``: v4 has no BF16 (W4A16) path -> v3."""
     v = version or kernel_version()
     if v == "v4" and act != "fp8":
         return "v3"
-    if v == "v1" and act == "fp8" and fmt == "nvfp4":
-        return "v2"
     return v
 
 
@@ -82,8 +79,6 @@ def smem_bytes(act: str, E: int, version: str = DEFAULT_VERSION, fmt: str = "mxf
         slot = (2 + lo) * 16384 + 8192 + 1024 * v4_producer_warpgroups() + 1024
         return 1024 + stages * slot + 16 * stages + 16 * 8 + 4 * (E + 1)
     small = 2 * BN * 4 + 2 * BM * 4 + 4 * (E + 1)
-    if version == "v1":
-        return 2 * (BM + BN) * kbytes + small
     stages = (3 if lo else 4) if act == "fp8" else 2
     slot = BM * kbytes + BN * 64 + BN * 8
     return stages * slot + 2 * (1 + lo) * BN * kbytes + small + 16 * 8 + 1024  # + 1024: swizzle atom alignment
@@ -122,8 +117,8 @@ def diag_macros(ver: str) -> dict:
 def _kernel(act: str, fmt: str, stage: int, E: int):
     ver = effective_version(act, fmt)
     diag = diag_macros(ver)
-    mod = load("moe.cu", MOE_ACT=_ACT[act], MOE_WFMT=_FMT[fmt], MOE_STAGE=stage, MOE_SW128=int(ver != "v2"), **diag)
-    k = mod.kernel({"v1": "moe_gemm_kernel", "v4": "moe_gemm_kernel_v4"}.get(ver, "moe_gemm_kernel_v2"))
+    mod = load("moe.cu", MOE_ACT=_ACT[act], MOE_WFMT=_FMT[fmt], MOE_STAGE=stage, **diag)
+    k = mod.kernel("moe_gemm_kernel_v4" if ver == "v4" else "moe_gemm_kernel_v3")
     smem = smem_bytes(act, E, ver, fmt)
     # The limit is an attribute of the kernel, shared by every E: only ever raise it (lowering it
     # for a small E made a later launch with a larger E fail with CUDA_ERROR_INVALID_VALUE).
@@ -151,8 +146,16 @@ def _geom(act: str, fmt: str, stage: int, R: int, E: int, N: int, device) -> tup
     return max(1, min(mt_upper * nt, _sm_count(device.index or 0))), 256 + 128 * v4_producer_warpgroups()
 
 
+#: (act, fmt) whose prefill-sized groups (more than ``moe_decode.DECODE_MAX_M`` rows per expert on
+#: average) the moe.cu kernels still serve because they are measured faster than the CuTe DSL
+#: grouped GEMM there: none (job moe-12, H200 2026-12-01, Flash MXFP4 W4A8 GEMM1 + GEMM2, dsl / cuda
+#: v4: T=1024 2536 / 3746 us, T=4096 2924 / 3762 us, T=16384 9749 / 12879 us).
+PREFILL_FASTER: frozenset = frozenset()
+
+
 class _CudaMoEBase(CudaProvider):
     arch_requirement = "WGMMA kernel built for sm_90a only"
+    stage = 0
 
     def supports_problem(self, problem):
         if problem["K"] % BK:
@@ -161,11 +164,28 @@ class _CudaMoEBase(CudaProvider):
             return Support.no(f"cuda: N={problem['N']} is not a multiple of {BN}")
         if problem["E"] > 2048:
             return Support.no(f"cuda: E={problem['E']} > 2048 (prefix table in shared memory)")
-        return Support.yes("sm_90a WGMMA, K % 128 == 0, N % 256 == 0; preferred over dsl: measured 1.6-9x "
-                           "faster on the H200 (moegemm-03, docs/benchmarks.md)")
+        act, fmt = problem["act"], problem["fmt"]
+        dp = moe_decode.plan(int(problem.get("R", 0) or 0), problem["E"], problem["N"], problem["K"], act, fmt,
+                             self.stage)
+        if dp is not None:
+            return Support.yes(
+                f"cuda moe_decode.cu (swap-AB decode kernel, {dp['nt']}-token chunks, <= "
+                f"{moe_decode.DECODE_MAX_M} rows per expert): preferred over dsl, measured faster there (job "
+                "moe-12, Flash MXFP4 W4A8 GEMM1 + GEMM2, cuda / dsl: T=4 186 / 281 us, T=64 1334 / 2038 us, "
+                "T=256 1729 / 2524 us)")
+        if (act, fmt) in PREFILL_FASTER:
+            return Support.yes(f"cuda moe.cu {effective_version(act, fmt)}: measured faster than dsl for {act}/{fmt} "
+                               "prefill")
+        measured = "" if (act, fmt) == ("fp8", "mxfp4") else (
+            f"; {act}/{fmt} not yet timed against moe.cu in one run: moe-12 had dsl at 225 (NVFP4 W4A8) / 317 "
+            "(MXFP4 W4A16) TFLOP/s at T=4096; scripts/gpuq/moe_prefill_compare.sh decides")
+        return Support.no(f"cuda: prefill-sized groups (> {moe_decode.DECODE_MAX_M} rows per expert on average): "
+                          "the CuTe DSL grouped GEMM is faster (job moe-12, Flash MXFP4 W4A8: T=1024 / 4096 / 16384 "
+                          "1.48x / 1.29x / 1.32x moe.cu v4" + measured + ")")
 
 
 class CudaMoEGemm1(_CudaMoEBase):
+    stage = 1
     describe = "moe.cu stage 1: FP4->FP8/BF16 prmt decode + WGMMA m64n128 x2, 1x128 promotion, fused clamped SwiGLU + FP8 requant"
 
     def run(self, problem, *, a, a_s, w13, w13_scale, g13, row_start, row_count, route_w):
@@ -193,6 +213,7 @@ class CudaMoEGemm1(_CudaMoEBase):
 
 
 class CudaMoEGemm2(_CudaMoEBase):
+    stage = 2
     describe = "moe.cu stage 2: FP4->FP8/BF16 prmt decode + WGMMA m64n128 x2, 1x128 promotion, fp32 out"
 
     def run(self, problem, *, h, h_s, w2, w2_scale, g2, row_start, row_count):

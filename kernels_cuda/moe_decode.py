@@ -1,13 +1,15 @@
 """Decode path of the CUDA MoE grouped GEMMs: ``moe_decode.cu`` (swap AB, few tokens per expert).
 
 Not a provider module (no ``PROVIDERS``): the ``cuda`` providers of ``kernels_cuda/moe.py`` call
-:func:`plan` and, when it returns a plan, :func:`gemm1_swiglu` / :func:`gemm2` instead of the
-prefill kernel. Same op semantics and outputs as ``moe.cu`` (``moe_gemm1_swiglu``, ``moe_gemm2``).
+:func:`plan` in ``supports`` (they serve exactly the problems it plans, where this kernel is
+measured faster than the CuTe DSL grouped GEMM: job moe-12) and in ``run``. Same op semantics and
+outputs as the other providers (``moe_gemm1_swiglu``, ``moe_gemm2``).
 
 When it applies (:func:`plan`): ``ceil(R / E) <= DECODE_MAX_M`` (masked layout: ``R = E * max_m``,
 so ``max_m <= DECODE_MAX_M``; contiguous layout: few rows per expert on average; any per-expert
 distribution is correct, an expert with many rows is cut into chunks of ``NT`` tokens), ``N % 256
-== 0``, ``K % 128 == 0``. Environment: ``DSV4_MOE_DECODE=0`` forces the prefill kernel (old path);
+== 0``, ``K % 128 == 0``. Environment: ``DSV4_MOE_DECODE=0`` turns it off (the grouped GEMMs then
+run on the CuTe DSL provider);
 ``DSV4_MOE_DECODE_MAXM`` (default :data:`DECODE_MAX_M`), and for benchmarks
 ``DSV4_MOE_DECODE_BULK`` (:data:`DECODE_BULK`), ``DSV4_MOE_DECODE_MMA`` (:data:`DECODE_MMA`),
 ``DSV4_MOE_DECODE_L2PF`` (:data:`DECODE_L2PF`),
@@ -67,8 +69,8 @@ def smem_bytes(nt: int, nwg: int, stages: int, fmt: str, E: int) -> int:
 
 
 def plan(R: int, E: int, N: int, K: int, act: str, fmt: str, stage: int) -> dict | None:
-    """The decode-kernel configuration for a grouped GEMM, or ``None`` when the prefill kernel
-    (``moe.cu``) should run. Pure host arithmetic on static shapes (no device access).
+    """The decode-kernel configuration for a grouped GEMM, or ``None`` when the problem is not
+    decode-sized (the cuda provider then declines it). Pure host arithmetic on static shapes.
 
     Args: ``R`` grouped rows, ``E`` experts, ``N`` output rows of the weight (stage 1: 2I, stage 2:
     D), ``K`` reduction size, ``act`` 'fp8'|'bf16', ``fmt`` 'mxfp4'|'nvfp4', ``stage`` 1|2.

@@ -186,3 +186,27 @@ class DslProvider(Provider):
 
     def supports_problem(self, problem) -> Support:
         return Support.yes("sm_90a")
+
+def compile_variants(label: str, variants: dict, dump_dir: str | None = None, arch: str = "sm_90a",
+                     only=None) -> dict[str, str]:
+    """CPU compile check of a module's ``{name: build(arch, extra_options)}`` variants for ``arch``:
+    ``{name: PTX text}`` (``only``: a subset of names). Raises if a variant yields no PTX text."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = dump_dir or tmp
+        os.makedirs(d, exist_ok=True)
+        for name, build in variants.items():
+            if only is not None and name not in only:
+                continue
+            fn = build(arch, f"--keep-ptx --dump-dir {d}")
+            ptx = fn.__ptx__
+            if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
+                raise RuntimeError(f"no PTX text for {label} {name} (got {str(ptx)[:200]!r})")
+            out[name] = ptx
+    return out
+
+
+def dl(t, align: int):
+    """torch tensor -> CuTe tensor with a dynamic layout (unit stride in the last dim)."""
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)

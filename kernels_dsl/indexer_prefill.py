@@ -5,25 +5,40 @@ Contract: docs/layouts/indexer_logits.md (``dsv4.ops.indexer.LOGITS_SPEC``)::
 
     logits[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s])    ks[t] <= s < ke[t];  -inf elsewhere
 
-Operands (both formats of the op reach this kernel as FP8): queries E4M3 ``[T * 64, 128]``
-(+ an optional fp32 scale per (t, h) folded into w), keys E4M3 ``[S, 128]`` + one fp32 scale
-per key applied after the head sum. FP8 inputs are used as stored; MXFP4 inputs are converted
-once by kernels_dsl/indexer_fp8_rows.py (block scales folded relative to the row maximum).
+Operands: queries ``[T * 64, 128]`` (+ an optional fp32 scale per (t, h) folded into w), keys
+``[S, 128]`` + one fp32 scale per key applied after the head sum, both E4M3 (``operand="e4m3"``,
+FP8 WGMMA m64n128k32) or both BF16 (``operand="bf16"``, BF16 WGMMA m64n128k16, full FP32
+accumulation). MXFP4 inputs reach the E4M3 variant through kernels_dsl/indexer_fp8_rows.py (block
+scales folded relative to the row maximum: exact products); FP8 inputs reach the BF16 variant
+widened exactly (every E4M3 value is a BF16 value), because the FP8 WGMMA keeps ~14 accumulator
+bits, too few for the op's contract on short rows (see below). Stages: E4M3 6 key tiles + 2 query
+units (178 KB smem), BF16 4 + 1 (194 KB).
 
 Kernel structure (own code; DeepGEMM ``sm90_fp8_mqa_logits`` is the peer):
 
-* 384 threads: warpgroup 0 = producer (``setmaxnreg.dec``; one thread issues every TMA load),
-  warpgroups 1-2 = math (``setmaxnreg.inc``). A work unit is 4 consecutive queries; math
-  warpgroup w owns 2 of them (the WGMMA B operand: 2 x 64 heads = N 128) and **both math
-  warpgroups consume the same 64-key tile**, so every key tile read from L2 serves 4 queries
-  (DeepGEMM splits the keys over its warpgroups instead and re-reads every key per 2 queries,
-  4 bytes of L2 traffic per kFLOP; here 1).
+* 640 threads: warpgroup 0 = producer (``setmaxnreg.dec`` to 32; one warp issues every TMA
+  load: the expect-tx by one elected lane, each TMA ``cute.copy`` by the whole warp, because
+  the copy elects its issuing lane with a full-warp ``elect.sync``), warpgroups 1-4 = math
+  (``setmaxnreg.inc`` to 112; 32 x 128 + 112 x 512 = 96 x 640 registers, the launch allocation).
+  A work unit is 8 consecutive queries; math warpgroup w owns 2 of them (the WGMMA B operand:
+  2 x 64 heads = N 128) and **all four math warpgroups consume the same 64-key tile**, so every
+  key tile read from L2 serves 8 queries (DeepGEMM splits the keys over its warpgroups instead
+  and re-reads every key per 2 queries).
 * Persistent CTAs (one per SM) take units round-robin from the last query backwards (causal
   prefill: the longest ranges first, the short ones balance the tail).
-* Per key tile: WGMMA m64n128k32 E4M3 x 4 (K = 128) into one of two accumulators; the
-  epilogue of tile j-1 (ReLU x w head sum on the CUDA cores, x the key scale, range mask,
-  store) runs while tile j's WGMMAs fly. Columns of the unit's rows outside the tiles it
+* Per key tile and math warpgroup: WGMMA m64n128k32 E4M3 x 4 (K = 128) into one accumulator,
+  wait, release the key stage (its two key scales already in registers), then the epilogue
+  (ReLU x w head sum on the CUDA cores, x the key scale, range mask, store) while the other
+  three warpgroups keep the tensor core busy. Columns of the unit's rows outside the tiles it
   computes are written -inf (the op's full [T, S] contract, no second pass).
+
+Measured on the H200 (jobs idx-11 / idx-12, 2026-12-01; 8192 x 16384 causal, CUDA-graph replays):
+FP8 1938 us (1064 TFLOP/s), MXFP4 1956 us incl. the row conversion (32 us); the previous
+2-warpgroup x 2-accumulator version of this file: 2178 / 2147 us, bitwise the same logits.
+Precision vs fp64 on the same values: MXFP4 <= 4.5e-7 x the row max; FP8 keys through the E4M3
+variant up to 2.28e-3 x the row max on short rows (the FP8 WGMMA's ~14-bit accumulation), hence the
+BF16 variant for them (kernels_dsl/indexer.py ``PREFILL_VALIDATED`` says which formats the registry
+offers).
 
 Constraints: 16-byte aligned q / k / key-scale base pointers (TMA); S, T any.
 """
@@ -34,7 +49,7 @@ try:
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import Float8E4M3FN, Float32, Int32
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32
     from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
@@ -46,18 +61,20 @@ except Exception:  # noqa: BLE001
 
 __all__ = ["PrefillLogitsKernel", "BQ", "WGS", "QUNIT", "compile_check", "PTX_PATTERNS"]
 
-PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3",
+PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n128k(32\.f32\.e4m3\.e4m3|16\.f32\.bf16\.bf16)",
                 r"cp\.async\.bulk\.tensor\.2d\.shared::(cta|cluster)\.global",
-                r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40", r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232",
+                r"setmaxnreg\.dec\.sync\.aligned\.u32\s+32", r"setmaxnreg\.inc\.sync\.aligned\.u32\s+112",
                 r"mbarrier\.try_wait")
 TILE = 64          # keys per tile (WGMMA M)
 BQ = 2             # queries per math warpgroup (WGMMA N = 128)
-WGS = 2            # math warpgroups
+WGS = 4            # math warpgroups
 QUNIT = BQ * WGS   # queries per work unit
 THREADS = 128 * (1 + WGS)
 NEG_INF = float("-inf")
-PRODUCER_REGS = 40
-MATH_REGS = 232
+# 640 threads, 1 CTA / SM: 96 registers per thread at launch (65536 / 640, granule 8); the
+# producer gives 96 - 32 back, the math warpgroups take 112: 32 * 128 + 112 * 512 = 96 * 640
+PRODUCER_REGS = 32
+MATH_REGS = 112
 
 
 if _HAVE_DSL:
@@ -71,17 +88,20 @@ if _HAVE_DSL:
           or any fp32 tensor (unread).
         * ``mKsIdx`` / ``mKeIdx``: Int32 ``[T]`` allowed range per query.
         * ``mOut``: Float32 ``[T, S]`` row-major.
-        * ``grid``: Int32, persistent CTAs (the SM count).
+        * ``grid``: Int32, persistent CTAs (<= the SM count; 1 CTA per SM, 640 threads).
         """
 
-        def __init__(self, has_qscale: bool, stages: int = 6, q_stages: int = 2):
+        def __init__(self, has_qscale: bool, operand: str = "e4m3"):
             self.has_qscale = has_qscale
-            self.stages = stages
-            self.q_stages = q_stages
+            self.operand = operand
+            self.ab = Float8E4M3FN if operand == "e4m3" else BFloat16
+            self.elt = 1 if operand == "e4m3" else 2
+            # smem: K ring stages x (64 x 128 x elt + 256 B), Q stages x 4 x 128 x 128 x elt
+            self.stages, self.q_stages = (6, 2) if operand == "e4m3" else (4, 1)
 
         def make_mma(self):
             return sm90_utils.make_trivial_tiled_mma(
-                Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+                self.ab, self.ab, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
                 tiler_mn=(TILE, BQ * 64))
 
         @cute.jit
@@ -89,8 +109,8 @@ if _HAVE_DSL:
                      mKsIdx: cute.Tensor, mKeIdx: cute.Tensor, mOut: cute.Tensor, grid: Int32,
                      stream: cuda.CUstream):
             tiled_mma = self.make_mma()
-            sK_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, BQ * 64, 128), Float8E4M3FN, self.stages)
-            sQ_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, BQ * 64, 128), Float8E4M3FN,
+            sK_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, BQ * 64, 128), self.ab, self.stages)
+            sQ_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, BQ * 64, 128), self.ab,
                                                  self.q_stages * WGS)
             sKs_l = cute.make_layout((TILE, self.stages))
             tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK,
@@ -108,8 +128,8 @@ if _HAVE_DSL:
                 qfull: cute.struct.MemRange[cutlass.Int64, QS]
                 qempty: cute.struct.MemRange[cutlass.Int64, QS]
                 ks: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sKs_l)], 128]
-                sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_l)], 1024]
-                sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_l)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.ab, cute.cosize(sK_l)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.ab, cute.cosize(sQ_l)], 1024]
 
             self.smem = Smem
             self.kernel(tma_k, tK, tma_q, tQ, tma_s, tS, mW, mQs, mKsIdx, mKeIdx, mOut, tiled_mma,
@@ -167,9 +187,7 @@ if _HAVE_DSL:
 
         @cute.jit
         def epilogue(self, acc: cute.Tensor, rW: cute.Tensor, rLo: cute.Tensor, rHi: cute.Tensor, mOut: cute.Tensor,
-                     t0: Int32, tile: Int32, ks_addr: Int32, m0: Int32, q4: Int32, T: Int32, S: Int32):
-            ksc0 = ptx.ld_shared_f32(ks_addr + m0 * 4)
-            ksc1 = ptx.ld_shared_f32(ks_addr + (m0 + 8) * 4)
+                     t0: Int32, tile: Int32, ksc0: Float32, ksc1: Float32, m0: Int32, q4: Int32, T: Int32, S: Int32):
             for r in cutlass.range_constexpr(BQ):
                 v0, v1 = self.head_sum(acc, rW, r)
                 v = cutlass.select_(q4 == 1, v1 * ksc1, v0 * ksc0)
@@ -186,24 +204,6 @@ if _HAVE_DSL:
                 stage = Int32(0)
                 phase = phase ^ 1
             return stage, phase
-
-        @cute.jit
-        def step(self, acc_new: cute.Tensor, acc_old: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, qb: Int32,
-                 n_kb: cutlass.Constexpr, prev: Int32, stage: Int32, phase: Int32, kfull: Int32, kempty: Int32,
-                 ks_base: Int32, rW: cute.Tensor, rLo: cute.Tensor, rHi: cute.Tensor, mOut: cute.Tensor, t0: Int32,
-                 old_tile: Int32, m0: Int32, q4: Int32, lane: Int32, T: Int32, S: Int32):
-            """Issue the next tile's WGMMAs into ``acc_new`` (ring stage ``stage``), then finish the
-            previous tile (``acc_old``, stage ``prev``): wait for it, epilogue, release its stage."""
-            ptx.mbar_wait(kfull + 8 * stage, phase)
-            self.mma_tile(acc_new, tCrA, tCrB, stage, qb, n_kb)
-            warpgroup.wait_group(1)
-            self.epilogue(acc_old, rW, rLo, rHi, mOut, t0, old_tile, ks_base + prev * (TILE * 4), m0, q4, T, S)
-            cute.arch.sync_warp()
-            if lane == 0:
-                ptx.mbar_arrive(kempty + 8 * prev)
-            new_prev = stage
-            stage, phase = self.advance(stage, phase)
-            return new_prev, stage, phase
 
         # ------------------------------------------------------------------ kernel
         @cute.kernel
@@ -270,21 +270,24 @@ if _HAVE_DSL:
                         u = U - 1 - cta - k * G
                         tile0, tile1 = self.unit_range(mKsIdx, mKeIdx, u, T, S)
                         ptx.mbar_wait(qempty + 8 * qst, qph ^ 1)
-                        if lane == 0:
-                            ptx.mbar_arrive_expect_tx(qfull + 8 * qst, WGS * BQ * 64 * 128)
-                            for w in cutlass.range_constexpr(WGS):
-                                cute.copy(tma_q, tQg[(None, u * WGS + w, 0)], tQs[(None, qst * WGS + w)],
-                                          tma_bar_ptr=qfull_p + qst)
+                        # expect-tx by one elected lane; the TMA copies by the WHOLE warp (a TMA
+                        # cute.copy elects its own issuing lane with elect.sync over the full warp:
+                        # inside a lane-0 branch that elect.sync waits for 31 absent lanes)
+                        with cute.arch.elect_one():
+                            ptx.mbar_arrive_expect_tx(qfull + 8 * qst, WGS * BQ * 64 * 128 * self.elt)
+                        for w in cutlass.range_constexpr(WGS):
+                            cute.copy(tma_q, tQg[(None, u * WGS + w, 0)], tQs[(None, qst * WGS + w)],
+                                      tma_bar_ptr=qfull_p + qst)
                         qst = qst + 1
                         if qst == QS:
                             qst = Int32(0)
                             qph = qph ^ 1
                         for tile in cutlass.range(tile0, tile1, unroll=1):
                             ptx.mbar_wait(kempty + 8 * stage, phase ^ 1)
-                            if lane == 0:
-                                ptx.mbar_arrive_expect_tx(kfull + 8 * stage, TILE * 128 + TILE * 4)
-                                cute.copy(tma_k, tKg[(None, tile, 0)], tKs[(None, stage)], tma_bar_ptr=kfull_p + stage)
-                                cute.copy(tma_s, tSg[(None, tile)], tSs[(None, stage)], tma_bar_ptr=kfull_p + stage)
+                            with cute.arch.elect_one():
+                                ptx.mbar_arrive_expect_tx(kfull + 8 * stage, TILE * 128 * self.elt + TILE * 4)
+                            cute.copy(tma_k, tKg[(None, tile, 0)], tKs[(None, stage)], tma_bar_ptr=kfull_p + stage)
+                            cute.copy(tma_s, tSg[(None, tile)], tSs[(None, stage)], tma_bar_ptr=kfull_p + stage)
                             stage = stage + 1
                             if stage == S_st:
                                 stage = Int32(0)
@@ -299,7 +302,7 @@ if _HAVE_DSL:
                 tCrA = tiled_mma.make_fragment_A(thr.partition_A(sK))
                 tCrB = tiled_mma.make_fragment_B(thr.partition_B(sQ))
                 acc_shape = thr.partition_C(cute.make_identity_tensor((TILE, BQ * 64))).shape
-                accs = (cute.make_rmem_tensor(acc_shape, Float32), cute.make_rmem_tensor(acc_shape, Float32))
+                acc = cute.make_rmem_tensor(acc_shape, Float32)
                 rW = cute.make_rmem_tensor((BQ * 16,), Float32)
                 rLo = cute.make_rmem_tensor((BQ,), Int32)
                 rHi = cute.make_rmem_tensor((BQ,), Int32)
@@ -331,38 +334,20 @@ if _HAVE_DSL:
                                 rW[r * 16 + j] = wv
                     qb = qst * WGS + w
                     ptx.mbar_wait(qfull + 8 * qst, qph)
-                    ntiles = tile1 - tile0
-                    # software pipeline with two accumulators, unrolled by two so that every
-                    # accumulator is named statically: MMA(tile j) is in flight while the
-                    # epilogue of tile j-1 runs (ptxas never sees a read of a live accumulator)
-                    prev = stage
-                    if ntiles > 0:                       # every path below ends in wait_group(0)
+                    # one accumulator per warpgroup: MMA, wait, release the key stage, epilogue;
+                    # the other three warpgroups keep the tensor core busy meanwhile
+                    for tile in cutlass.range(tile0, tile1, unroll=1):
                         ptx.mbar_wait(kfull + 8 * stage, phase)
-                        self.mma_tile(accs[0], tCrA, tCrB, stage, qb, n_kb)
-                        stage, phase = self.advance(stage, phase)
-                        j = Int32(1)
-                        for _ in cutlass.range((ntiles - 1) // 2, unroll=1):
-                            prev, stage, phase = self.step(accs[1], accs[0], tCrA, tCrB, qb, n_kb, prev, stage, phase,
-                                                           kfull, kempty, ks_base, rW, rLo, rHi, mOut, t0,
-                                                           tile0 + j - 1, m0, q4, lane, T, S)
-                            prev, stage, phase = self.step(accs[0], accs[1], tCrA, tCrB, qb, n_kb, prev, stage, phase,
-                                                           kfull, kempty, ks_base, rW, rLo, rHi, mOut, t0, tile0 + j,
-                                                           m0, q4, lane, T, S)
-                            j = j + 2
-                        if (ntiles - 1) % 2 == 1:
-                            prev, stage, phase = self.step(accs[1], accs[0], tCrA, tCrB, qb, n_kb, prev, stage, phase,
-                                                           kfull, kempty, ks_base, rW, rLo, rHi, mOut, t0, tile1 - 2,
-                                                           m0, q4, lane, T, S)
-                            warpgroup.wait_group(0)
-                            self.epilogue(accs[1], rW, rLo, rHi, mOut, t0, tile1 - 1, ks_base + prev * (TILE * 4),
-                                          m0, q4, T, S)
-                        else:
-                            warpgroup.wait_group(0)
-                            self.epilogue(accs[0], rW, rLo, rHi, mOut, t0, tile1 - 1, ks_base + prev * (TILE * 4),
-                                          m0, q4, T, S)
+                        ks_addr = ks_base + stage * (TILE * 4)
+                        ksc0 = ptx.ld_shared_f32(ks_addr + m0 * 4)
+                        ksc1 = ptx.ld_shared_f32(ks_addr + (m0 + 8) * 4)
+                        self.mma_tile(acc, tCrA, tCrB, stage, qb, n_kb)
+                        warpgroup.wait_group(0)
                         cute.arch.sync_warp()
                         if lane == 0:
-                            ptx.mbar_arrive(kempty + 8 * prev)
+                            ptx.mbar_arrive(kempty + 8 * stage)
+                        self.epilogue(acc, rW, rLo, rHi, mOut, t0, tile, ksc0, ksc1, m0, q4, T, S)
+                        stage, phase = self.advance(stage, phase)
                     # release the query stage (every WGMMA reading it has completed)
                     cute.arch.sync_warp()
                     if lane == 0:
@@ -383,7 +368,7 @@ if _HAVE_DSL:
                                 mOut[t, col] = Float32(NEG_INF)
 
 
-def _fake_args(has_qscale: bool):
+def _fake_args(has_qscale: bool, operand: str = "e4m3"):
     """Fake tensors: every extent symbolic (the launch marks all layouts dynamic); T, S shared."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
     sym = cute.sym_int32
@@ -391,8 +376,9 @@ def _fake_args(has_qscale: bool):
     TH = sym(divisibility=64, symbol="T64")
     D = sym(divisibility=128, symbol="D")
     H = sym(divisibility=64, symbol="H")
-    q = make_fake_compact_tensor(Float8E4M3FN, (TH, D), stride_order=(1, 0), assumed_align=16)
-    k = make_fake_compact_tensor(Float8E4M3FN, (S, D), stride_order=(1, 0), assumed_align=16)
+    ab = Float8E4M3FN if operand == "e4m3" else BFloat16
+    q = make_fake_compact_tensor(ab, (TH, D), stride_order=(1, 0), assumed_align=16)
+    k = make_fake_compact_tensor(ab, (S, D), stride_order=(1, 0), assumed_align=16)
     ks = make_fake_compact_tensor(Float32, (S,), assumed_align=16)
     w = make_fake_compact_tensor(Float32, (T, H), stride_order=(1, 0), assumed_align=16)
     qs = make_fake_compact_tensor(Float32, (T, H), stride_order=(1, 0), assumed_align=16)
@@ -402,9 +388,12 @@ def _fake_args(has_qscale: bool):
     return q, k, ks, w, qs, a, b, o, Int32(132), make_fake_stream()
 
 
-def compile_prefill(has_qscale: bool, arch: str, extra: str = ""):
+def compile_prefill(has_qscale: bool, arch: str, extra: str = "", operand: str = "e4m3"):
+    """``operand``: ``"e4m3"`` (MXFP4 keys folded to FP8, FP8 WGMMA) or ``"bf16"`` (FP8 keys decoded
+    exactly to BF16, BF16 WGMMA m64n128k16: full FP32 accumulation)."""
     from ._compile import compile_options
-    return cute.compile(PrefillLogitsKernel(has_qscale), *_fake_args(has_qscale), options=compile_options(arch, extra))
+    return cute.compile(PrefillLogitsKernel(has_qscale, operand), *_fake_args(has_qscale, operand),
+                        options=compile_options(arch, extra))
 
 
 def compile_check(dump_dir=None, arch: str = "sm_90a") -> dict:
@@ -414,10 +403,10 @@ def compile_check(dump_dir=None, arch: str = "sm_90a") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         d = dump_dir or tmp
         os.makedirs(d, exist_ok=True)
-        for hq in (False, True):
-            fn = compile_prefill(hq, arch, f"--keep-ptx --dump-dir {d}")
+        for name, hq, operand in (("mxfp4-e4m3", True, "e4m3"), ("fp8-e4m3", False, "e4m3"), ("fp8-bf16", False, "bf16")):
+            fn = compile_prefill(hq, arch, f"--keep-ptx --dump-dir {d}", operand)
             ptx_ = fn.__ptx__
             if ptx_ is None or not ptx_.lstrip().startswith(("//", ".version")):
                 raise RuntimeError(f"no PTX text for indexer_prefill (got {str(ptx_)[:200]!r})")
-            res["qscale" if hq else "fp8"] = ptx_
+            res[name] = ptx_
     return res

@@ -7,9 +7,11 @@ ring depth -- is picked per problem by :func:`kernels_dsl.sm90.config.choose`, w
 ``explain()`` line is the provider's support reason, i.e. what ``registry.last_choice(op)
 .explain()`` and ``dsv4 ops`` print).
 
-Not the registry default: correct on the H200 (job moegemm-03) but measured 1.6-9x slower than
-the cuda providers (kernels_cuda/moe.py docstring); ``dsv4.ops.moe.GEMM_KINDS`` puts cuda first.
-Force it with ``registry.use(moe_gemm1_swiglu="dsl", moe_gemm2="dsl")`` or ``DSV4_OPS``.
+The registry default for prefill-sized groups (> 16 rows per expert on average: the cuda provider,
+asked first, declines them; kernels_cuda/moe.py): GPU tests passed on the H200 (jobs moe-11,
+moe-12), Flash MXFP4 W4A8 GEMM1 + GEMM2 1.29-1.48x moe.cu v4 (moe-12: T=4096 2924 us = 423 TFLOP/s).
+Decode-sized groups go to cuda's moe_decode.cu (1.5-1.7x this kernel there, moe-12); force this one
+with ``registry.use(moe_gemm1_swiglu="dsl", moe_gemm2="dsl")`` or ``DSV4_OPS``.
 
 Scheduling hint: ``problem["max_m"]`` (the largest per-expert row count, when the caller knows
 it: masked layout = its ``max_m``; DeepGEMM's ``expected_m_per_group``) selects the token tile;
@@ -51,6 +53,10 @@ PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n128k(32\.f32\.e4m3\.e4m3|
 PTX_FORBIDDEN = ()
 
 _MAX_E = 1024
+
+#: tests only: cap on the persistent grid (None = min(work units, SMs x CTAs per SM)); a small cap
+#: makes every CTA walk many work units (the row-prologue ring and the per-unit pipeline hand-offs)
+GRID_CAP: Optional[int] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,19 +112,22 @@ def launch_gemm(cfg, *, a, a_s, w, w_s, g, row_start, row_count, route_w, out, o
     from cutlass import Float8E4M3FN, Int32
     from dsv4.target import Target
     from .sm90.grouped_gemm import compile_kernel
+    import dataclasses
     R = a.shape[0]
     E, N, Kp = w.shape
     dev = a.device
+    if cfg.scale_tma and (w_s.data_ptr() % 16 or w_s.shape[2] % 16):
+        cfg = dataclasses.replace(cfg, scale_tma=False)   # the TMA box needs 16-byte aligned scale rows
     arch = Target.of(dev).arch
     fn = compile_cached(("moe_grouped_gemm", cfg.key(), arch, debug, _sm90_digest()),
                         lambda: compile_kernel(cfg, arch, debug=debug))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     nt = N // _cfg.TILE_N
     units_ub = (-(-R // cfg.tile_m) + min(E, R)) * nt
-    grid = max(1, min(units_ub, sms * cfg.ctas_per_sm))
+    grid = max(1, min(units_ub, sms * cfg.ctas_per_sm, GRID_CAP or units_ub))
     fp8 = a.dtype == torch.float8_e4m3fn
     args = (_t(a, 16, Float8E4M3FN if fp8 else None), _t(a_s, 4), _t(w.view(E * N, Kp), 16),
-            _t(w_s.view(E * N, w_s.shape[2]), 4), _t(g.view(E, -1), 4), _t(row_start, 4), _t(row_count, 4),
+            _t(w_s.view(E * N, w_s.shape[2]), 16 if cfg.scale_tma else 4), _t(g.view(E, -1), 4), _t(row_start, 4), _t(row_count, 4),
             _t(route_w, 4), _t(out, 16), _t(out_s, 4), Int32(N), Int32(grid))
     launch_on(dev, fn, *args)
 
@@ -189,21 +198,25 @@ PROVIDERS = {"moe_gemm1_swiglu": DslMoEGemm1, "moe_gemm2": DslMoEGemm2}
 # ------------------------------------------------------------------------------------ compile check
 def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a",
                   variants: Optional[tuple] = None) -> dict[str, str]:
-    """Compile the grouped GEMM for ``arch`` without a GPU: ``{"s<stage>-<act>-<fmt>-m<tile_m>": PTX}``.
-    Default variants: both stages x both activations x both formats at tile_m 128, and the
-    decode tile (64) for stage 1 FP8 MXFP4 (tests/test_compile_dsl.py, tests/test_moe.py)."""
+    """Compile the grouped GEMM for ``arch`` without a GPU: ``{"s<stage>-<act>-<fmt>-m<tile_m>[-gs]": PTX}``.
+    ``variants``: tuples ``(stage, act, fmt, tile_m[, scale_tma])`` (scale_tma default True; ``-gs`` =
+    scale bytes from global memory). Default: both stages x both activations x both formats at tile_m
+    128, the decode tile (64) for stage 1 FP8 MXFP4, and that one with global scale loads
+    (tests/test_compile_dsl.py, tests/test_moe.py)."""
     from .sm90.grouped_gemm import compile_kernel
     variants = variants or tuple((s, a, f, 128) for s in (1, 2) for a in ("fp8", "bf16") for f in ("mxfp4", "nvfp4")) \
-        + ((1, "fp8", "mxfp4", 64),)
+        + ((1, "fp8", "mxfp4", 64), (1, "fp8", "mxfp4", 64, False))
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = dump_dir or tmp
         os.makedirs(d, exist_ok=True)
-        for s, a, f, tm in variants:
-            cfg = _cfg.GroupedGemmConfig(s, a, f, tm, 3, 256, 1)
+        for v in variants:
+            s, a, f, tm = v[:4]
+            st = v[4] if len(v) > 4 else True
+            cfg = _cfg.GroupedGemmConfig(s, a, f, tm, 3, 256, 1, st)
             fn = compile_kernel(cfg, arch, f"--keep-ptx --dump-dir {d}")
             ptx = fn.__ptx__
             if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
                 raise RuntimeError(f"no PTX text for moe grouped gemm {cfg} (got {str(ptx)[:200]!r})")
-            res[f"s{s}-{a}-{f}-m{tm}"] = ptx
+            res[f"s{s}-{a}-{f}-m{tm}" + ("" if st else "-gs")] = ptx
     return res

@@ -43,13 +43,12 @@ instruction each through ``llvm.inline_asm``, like ``prmt`` in ``dequant_fp4``).
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, compile_options, dsl_target_support, launch_on
+from ._compile import (DslProvider, compile_cached, compile_options, compile_variants, dl, dsl_target_support,
+                       launch_on)
 
 try:  # the DSL is optional at import time: the providers then report "unavailable"
     import cuda.bindings.driver as cuda
@@ -665,26 +664,11 @@ CHECK_VARIANTS = {
 
 def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a", variants=None) -> dict[str, str]:
     """Compile the :data:`CHECK_VARIANTS` for ``arch`` without a GPU; ``{variant: PTX text}``."""
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        for name, build in CHECK_VARIANTS.items():
-            if variants is not None and name not in variants:
-                continue
-            fn = build(arch, f"--keep-ptx --dump-dir {d}")
-            ptx = fn.__ptx__
-            if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
-                raise RuntimeError(f"no PTX text for moe_glue {name} (got {str(ptx)[:200]!r})")
-            out[name] = ptx
-    return out
+    return compile_variants("moe_glue", CHECK_VARIANTS, dump_dir, arch, variants)
 
 
 # ---------------------------------------------------------------------------------- providers
-def _dl(t, align: int):
-    """torch tensor -> CuTe tensor with a dynamic layout (unit stride in the last dim)."""
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+_dl = dl
 
 
 def _aligned(t, align: int = 16):

@@ -7,18 +7,15 @@ KV-split heuristic for the two kernels
 
 Split heuristic (:func:`choose_config`): CTAs = T * ceil(H / 64). When they fill fewer than ~one
 wave of the SMs and a row has more than 2 list tiles of 64 entries, each row is split into
-``min(ceil(SMs / CTAs), tiles / 2)`` contiguous ranges of tiles, decided from shapes only (no sync;
-the lengths are device values, so a split may see no entries: it writes ``lse = -inf``). Then the
-known-issue cap :data:`MAX_TILES_PER_CTA` applies. Everything stays on the device and is
-CUDA-graph capturable.
+``min(floor(SMs / CTAs), tiles / 2)`` contiguous ranges of tiles (one CTA fits an SM, 207 KB of smem: the
+split CTAs stay within one wave), decided from shapes only (no sync;
+the lengths are device values, so a split may see no entries: it writes ``lse = -inf``), at most
+65535 (gridDim.z). More than 65535 rows (gridDim.y) run as consecutive launches of row chunks.
+Everything stays on the device and is CUDA-graph capturable.
 
-Status (end of the 2026-12-01 session): NOT validated on the H200 -- :data:`VALIDATED` is False, so
-``supports()`` says no (the registry runs the torch reference; forcing ``dsl`` raises
-``ProviderUnavailableError``); the GPU tests and bench/bench_sparse_attention.py call
-:func:`sparse_attention_dsl` directly. What the H200 showed (jobs sa-01..03):
-compiles and launches; one-tile and two-tile CTAs complete; the outputs were wrong because of a
-fake-tensor ABI mismatch (fixed after the last job, unverified on the GPU); CTAs with >= 3 tiles
-hang (see :data:`MAX_TILES_PER_CTA`).
+Status: passes tests/test_sparse_attention.py's GPU tests on the H200 (job lead-18, 2026-12-01; the
+fixes and numbers are in :mod:`kernels_dsl.sparse_attention_fwd`'s docstring); the registry default
+for fp8_ds_mla caches on sm_90a.
 """
 from __future__ import annotations
 
@@ -30,27 +27,14 @@ from dsv4.registry import Support
 
 from ._compile import DslProvider, compile_cached, current_stream
 
-__all__ = ["DslSparseAttention", "sparse_attention_dsl", "may_run_unvalidated", "VALIDATED", "PROVIDERS", "SplitConfig", "choose_config", "compile_check", "PTX_PATTERNS"]
+__all__ = ["DslSparseAttention", "sparse_attention_dsl", "PROVIDERS", "SplitConfig", "choose_config", "compile_check", "PTX_PATTERNS"]
 
 TILE_N = 64
 BLOCK_H = 64
-#: KNOWN ISSUE (issue 14, H200 jobs sa-02 / sa-03): a CTA that processes >= 3 list tiles hangs (the
-#: producer's wait for a released K stage never returns; with that wait removed the kernel faults).
-#: Until it is fixed every CTA gets at most 2 tiles (more KV splits + the combine pass): then no K
-#: stage is ever reused. Remove the cap with the fix.
-MAX_TILES_PER_CTA = 2
+#: rows per fwd launch and KV splits: the grid is [ceil(H / 64), T, splits]; CUDA caps gridDim.y / z at 65535
+MAX_ROWS_PER_LAUNCH = 65535
+MAX_SPLITS = 65535
 LOG2E = math.log2(math.e)
-#: False until tests/test_sparse_attention.py's GPU tests pass on the H200: the registry never picks
-#: (nor can be forced onto) a kernel that has not passed there; the tests and the benchmark call
-#: :func:`sparse_attention_dsl` directly. Set True in the commit that records the passing run.
-VALIDATED = False
-
-
-def may_run_unvalidated() -> bool:
-    """True when the kernels are validated, or ``DSV4_RUN_UNVALIDATED=1`` asks to run them anyway
-    (the GPU tests / benchmark of a validation job; dsv4/config.py)."""
-    from dsv4.config import env_flag
-    return VALIDATED or env_flag("DSV4_RUN_UNVALIDATED")
 #: compile_check / PTX patterns live in the kernel modules; this module only checks it imports them
 PTX_PATTERNS = ()
 
@@ -70,9 +54,9 @@ def choose_config(T: int, H: int, entries: int, sms: int, num_splits: Optional[i
         ctas = max(1, T * -(-H // BLOCK_H))
         num_splits = 1
         if ctas < 0.8 * sms and tiles > 2:
-            num_splits = max(1, min(-(-sms // ctas), tiles // 2))
-    num_splits = max(1, min(num_splits, tiles))
-    tps = min(-(-tiles // num_splits), MAX_TILES_PER_CTA)
+            num_splits = max(1, min(sms // ctas, tiles // 2))        # never more than one wave
+    num_splits = max(1, min(num_splits, tiles, MAX_SPLITS))
+    tps = -(-tiles // num_splits)
     return SplitConfig(-(-tiles // tps), tps)
 
 
@@ -89,16 +73,11 @@ def _bs(cache) -> int:
 
 class DslSparseAttention(DslProvider):
     describe = ("CuTe DSL SparseAttentionFwdKernel: producer warpgroup gathers + decodes fp8_ds_mla rows to bf16 "
-                "smem, 2 WGMMA warpgroups (QK^T + softmax + PV halves), split-KV combine; not yet validated on "
-                "the H200 (supports() says no until it is)")
+                "smem, 2 WGMMA warpgroups (QK^T + softmax + PV halves), split-KV combine")
 
     def supports_problem(self, problem):
         if problem.get("fmt") != "fp8_ds_mla":
             return Support.no(f"dsl: reads fp8_ds_mla (584 B/token) caches only, got {problem.get('fmt')}")
-        if not VALIDATED:
-            return Support.no("dsl: not validated on the H200 yet (issue 14, jobs sa-02/sa-03: wrong outputs before "
-                              "the stride fix, a hang at >= 3 tiles per CTA); the GPU tests call "
-                              "kernels_dsl.sparse_attention.sparse_attention_dsl directly")
         return Support.yes("sm_90a, fp8_ds_mla caches")
 
     def run(self, problem, *, q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale, num_splits):
@@ -109,7 +88,29 @@ class DslSparseAttention(DslProvider):
 def sparse_attention_dsl(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale, num_splits=None, *,
                          out=None, lse=None):
     """Launch the kernels on validated operands (``dsv4.ops.sparse_attention`` validates them);
-    ``out`` / ``lse`` may be preallocated (tests poison them to catch unwritten elements)."""
+    ``out`` / ``lse`` may be preallocated (tests poison them to catch unwritten elements). The fwd
+    grid is ``[ceil(H / 64), T, splits]`` and CUDA caps gridDim.y at 65535: a larger ``T`` (a long
+    ragged prefill) runs as consecutive row chunks of at most ``MAX_ROWS_PER_LAUNCH`` rows (row
+    slices of every per-row operand, each chunk with its own split choice; still no sync)."""
+    import torch
+    T, H = q.shape[0], q.shape[1]
+    dev = q.device
+    if out is None:
+        out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=dev)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+    if T == 0:
+        return out, lse
+    for t0 in range(0, T, MAX_ROWS_PER_LAUNCH):      # one launch unless T > 65535 (gridDim.y)
+        rows = slice(t0, min(T, t0 + MAX_ROWS_PER_LAUNCH))
+        _launch(q[rows], swa_cache, swa_indices[rows], swa_lens[rows], sink, cache,
+                None if indices is None else indices[rows], None if lens is None else lens[rows], scale, num_splits,
+                out[rows], lse[rows])
+    return out, lse
+
+
+def _launch(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale, num_splits, out, lse):
+    """One launch of the fwd kernel (+ the combine with KV splits) for ``1 <= T <= MAX_ROWS_PER_LAUNCH`` rows."""
     import torch
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
@@ -119,12 +120,6 @@ def sparse_attention_dsl(q, swa_cache, swa_indices, swa_lens, sink, cache, indic
     from . import sparse_attention_combine, sparse_attention_fwd
     T, H = q.shape[0], q.shape[1]
     dev = q.device
-    if out is None:
-        out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=dev)
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=dev)
-    if T == 0:
-        return out, lse
     if cache is None:          # SWA-only layer: an empty compressed list over the same cache
         cache, indices = swa_cache, torch.full((T, 1), -1, dtype=torch.int32, device=dev)
         lens = torch.zeros((T,), dtype=torch.int32, device=dev)
@@ -134,7 +129,7 @@ def sparse_attention_dsl(q, swa_cache, swa_indices, swa_lens, sink, cache, indic
     cfg = choose_config(T, H, swa_indices.shape[1] + indices.shape[1], target.sm_count, num_splits)
     split = cfg.num_splits > 1
     arch = target.arch
-    fwd = compile_cached(("sparse_attention_fwd", split, arch, tuple(sorted(sparse_attention_fwd.DEBUG_VARIANT.items()))),
+    fwd = compile_cached(("sparse_attention_fwd", split, arch),
                          lambda: sparse_attention_fwd.compile_kernel(split, arch))
 
     def t(x, align=16):

@@ -9,7 +9,8 @@ with ``sink2 = sink[h] * log2(e)``::
     out = sum_s 2^(lse_s - M) o_s / den                          (bf16, one rounding)
     lse = (M + log2(den)) / log2(e)                              (natural log, includes the sink)
 
-``M = -inf`` (no sink, no entry) gives ``out = 0``, ``lse = -inf``. One warp per (t, h): lane
+A row none of whose splits saw a valid entry gets ``out = 0`` and ``lse = sink[h]`` exactly (``-inf``
+without a sink). One warp per (t, h): lane
 ``l`` owns dims ``[16 l, 16 l + 16)`` (four 16-byte loads per split, two 16-byte bf16 stores).
 One launch, no host sync, graph-capturable.
 """
@@ -98,8 +99,12 @@ if _HAVE_DSL:
                 dst = cute.local_tile(mO[(t, h, None)], (16,), (lane,))
                 cute.copy(st, cute.logical_divide(out, (8,)), cute.logical_divide(dst, (8,)))
                 if lane == 0:
-                    lse = -Float32.inf
-                    if m > -Float32.inf:
+                    # no split saw a valid entry: the sink alone, exactly (its natural-log value)
+                    lse = mSink[h]
+                    m_kv = -Float32.inf
+                    for s in cutlass.range(S, unroll=1):
+                        m_kv = cutlass.max(m_kv, mLp[s, t, h])
+                    if m_kv > -Float32.inf:
                         lse = (m + cute.math.log2(den)) / LOG2E
                     mLse[t, h] = lse
 

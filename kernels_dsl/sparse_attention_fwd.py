@@ -33,26 +33,18 @@ Constraints (checked by the provider): q bf16 ``[T, H, 512]`` contiguous; H >= 1
 blocks of 64); caches uint8 fp8_ds_mla with an even page size, 16 B aligned; index lists int32
 contiguous ``[T, n]``. Runtime sizes are symbolic: one compile per (split / no split, arch).
 
-Status on the H200 (2026-12-01, jobs sa-01..03; not validated, the op lists this provider after
-the torch reference):
+Status on the H200 (2026-12-01, job lead-18): tests/test_sparse_attention.py's GPU tests pass
+(H = 16 / 32 / 64 / 128, CSA / HCA / SWA-only / diffuse / no-sink lists, adversarial lists, KV splits
+1 / 3 / auto, decode next_n 2, prefill rows); compiles for sm_90a with 0 spills within the 112 / 224 /
+168 setmaxnreg budgets (they must sum to 3 x 168: a larger increase waits forever for registers
+nobody released). Two bugs found on the way, both worth knowing for any DSL kernel:
 
-* compiles for sm_90a with 0 spills (producer <= 108 / WG0 <= 219 / WG1 <= 151 registers in the
-  SASS, within the 112 / 224 / 168 setmaxnreg budgets); launches; CTAs with 1 or 2 list tiles
-  complete. Fixed on the way: the setmaxnreg budgets must sum to 3 x 168 (a 232 increase waited
-  forever), and every fake-tensor extent must be symbolic (:func:`make_fake_args`).
-* the last GPU run still had the ABI bug, so the outputs were wrong (rows overlapped); the fix is
-  verified on the CPU only (the compiled function now sees the right strides).
-* KNOWN ISSUE: a CTA with >= 3 tiles hangs: the producer's ``producer_acquire`` of a reused stage
-  never returns (job sa-03, T=1 H=64 3 tiles); with that wait removed (``pwait=False``) the kernel
-  faults (unspecified launch failure). Static review of the PTX / SASS found the barrier counts
-  (full 128, empty 256, one arrive per thread), phases and named-barrier pairing consistent.
-  Next: ``compute-sanitizer --tool synccheck`` / ``memcheck`` (``CUTE_DSL_LINEINFO=1``) on the
-  3-tile case with ``pwait`` on and off, and the ``nbar`` / ``mma`` variants of
-  :data:`DEBUG_VARIANT` (their job output was lost). The provider caps CTAs at 2 tiles meanwhile.
-
-:data:`DEBUG_VARIANT` holds the bisection switches of this debugging (``regs``, ``mma``, ``nbar``,
-``pwait``: remove them with the fix) and the unvalidated TMA-store epilogue (``epi="tma"``: O via
-stmatrix into the free Q tile and one TMA store, TMA clipping the rows >= H).
+* every fake-tensor extent must be symbolic (:func:`make_fake_args`): a static extent changes the
+  compiled ABI and the runtime tensors were read with wrong strides;
+* a TMA ``cute.copy`` elects its issuing lane with ``elect.sync`` over the FULL warp, so it must be
+  called by a whole warp: inside an ``if tid == 0`` branch the other 31 lanes never arrive (observed:
+  a CTA with >= 3 list tiles hung on a reused K stage, since one producer warp never left the Q load;
+  1-2 tiles finished by luck). Found with printf traces of every pipeline step per warp.
 """
 from __future__ import annotations
 
@@ -144,18 +136,9 @@ if _HAVE_DSL:
           ``[s * tiles_per_split, (s + 1) * tiles_per_split)`` of the row's compacted list.
         """
 
-        def __init__(self, split: bool, regs: bool = True, mma: bool = True, epi: str = "direct", nbar: bool = True,
-                     pwait: bool = True):
+        def __init__(self, split: bool):
             self.split = split
             self.threads = 384
-            # development bisection switches (DEBUG_VARIANT); production: regs, mma True
-            self.regs = regs
-            self.mma = mma
-            self.nbar = nbar
-            self.pwait = pwait
-            # bf16 output epilogue: "tma" = stmatrix into the (free) Q tile + one TMA store (rows >= H
-            # clipped by TMA), "direct" = registers -> global; the split partials are always direct
-            self.epi_tma = epi == "tma" and not split
 
         @cute.jit
         def __call__(self, mQ: cute.Tensor, mSwa: cute.Tensor, mSwaIdx: cute.Tensor, mSwaLen: cute.Tensor,
@@ -173,12 +156,6 @@ if _HAVE_DSL:
             sP_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_H, HEAD_DIM // 2, TILE_N), BFloat16, 1)
             _check_k_layout(sK_l)
             tma_q, tQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ_hdt,
-                                                    cute.slice_(sQ_l, (None, None, 0)), (BLOCK_H, HEAD_DIM))
-            # O tile store (TMA): same (H, 512, T) view and smem layout as Q
-            mO_hdt = mQ_hdt
-            if cutlass.const_expr(self.epi_tma):
-                mO_hdt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 2, 0]))
-            tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO_hdt,
                                                     cute.slice_(sQ_l, (None, None, 0)), (BLOCK_H, HEAD_DIM))
             mma_qk = sm90_utils.make_trivial_tiled_mma(
                 BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
@@ -203,13 +180,13 @@ if _HAVE_DSL:
 
             self.shared_storage = SharedStorage
             hb = cute.ceil_div(H, BLOCK_H)
-            self.kernel(tma_q, tQ, tma_o, tO, mSwa, mSwaIdx, mSwaLen, mComp, mCompIdx, mCompLen, mSink, mO, mLse,
+            self.kernel(tma_q, tQ, mSwa, mSwaIdx, mSwaLen, mComp, mCompIdx, mCompLen, mSink, mO, mLse,
                         swa_bs, swa_slots, comp_bs, comp_slots, scale_log2, tiles_per_split, H,
                         mma_qk, mma_pv_rs, mma_pv_ss, sQ_l, sK_l, sP_l).launch(
                 grid=[hb, T, num_splits], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
         @cute.kernel
-        def kernel(self, tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_o: cute.CopyAtom, tO: cute.Tensor, mSwa: cute.Tensor, mSwaIdx: cute.Tensor,
+        def kernel(self, tma_q: cute.CopyAtom, tQ: cute.Tensor, mSwa: cute.Tensor, mSwaIdx: cute.Tensor,
                    mSwaLen: cute.Tensor, mComp: cute.Tensor, mCompIdx: cute.Tensor, mCompLen: cute.Tensor,
                    mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, swa_bs: Int32, swa_slots: Int32,
                    comp_bs: Int32, comp_slots: Int32, scale_log2: Float32, tiles_per_split: Int32, H: Int32,
@@ -251,26 +228,26 @@ if _HAVE_DSL:
 
             if wg_idx == 2:
                 # ============================ producer warpgroup ============================
-                if cutlass.const_expr(self.regs):
-                    cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                # the TMA copy elects its issuing lane with elect.sync over the full warp: issue it from
+                # the whole warp 0 (inside a one-thread branch the other 31 lanes never arrive: a hang)
                 if wtid == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar_q, BLOCK_H * HEAD_DIM * 2)
+                if wtid < 32:
                     gQ = cute.local_tile(tQ[(None, None, t)], (BLOCK_H, HEAD_DIM), (hblk, 0))
                     tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                      cute.group_modes(gQ, 0, 2))
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar_q, BLOCK_H * HEAD_DIM * 2)
                     cute.copy(tma_q, tQg, tQs[(None, 0)], tma_bar_ptr=bar_q)
                 self._produce(pipe, storage.sK.data_ptr().toint(), sBias, mSwa, mSwaIdx, mComp, mCompIdx, swa_bs, swa_slots, comp_bs,
                               comp_slots, t, n_swa, n_tot, tile0, n_tiles, wtid)
             elif wg_idx == 0:
                 # ===================== consumer 0: QK^T, softmax, O[:, :256] =====================
-                if cutlass.const_expr(self.regs):
-                    cute.arch.setmaxregister_increase(MMA0_REGS)
+                cute.arch.setmaxregister_increase(MMA0_REGS)
                 self._consume0(pipe, bar_q, sQ, sK, sVt, sP, sBias, sScale, sOScale, mSink, mO, mLse, mma_qk,
-                               mma_pv_rs, scale_log2, t, hblk, split, H, n_tiles, wtid, tma_o, tO)
+                               mma_pv_rs, scale_log2, t, hblk, split, H, n_tiles, wtid)
             else:
                 # ================== consumer 1: O[:, 256:] (keeps the launch's 168 registers) ==================
-                self._consume1(pipe, sVt, sP, sScale, sOScale, mO, mma_pv_ss, t, hblk, split, H, n_tiles, wtid,
-                               sQ, tma_o, tO)
+                self._consume1(pipe, sVt, sP, sScale, sOScale, mO, mma_pv_ss, t, hblk, split, H, n_tiles, wtid)
 
         # ------------------------------------------------------------------ producer
         @cute.jit
@@ -349,8 +326,7 @@ if _HAVE_DSL:
                     nxt[0, r] = s
                     nxt[1, r] = w
                 # --- decode into the stage (16-byte st.shared at the 128B-swizzled addresses) ---
-                if cutlass.const_expr(self.pwait):
-                    pipe.producer_acquire(ps)
+                pipe.producer_acquire(ps)
                 stage = ps.index
                 stage_base = sK_base + stage * (TILE_N * HEAD_DIM * 2)
                 for r in cutlass.range_constexpr(2):
@@ -377,7 +353,7 @@ if _HAVE_DSL:
         # ------------------------------------------------------------------ consumer 0
         @cute.jit
         def _consume0(self, pipe, bar_q, sQ, sK, sVt, sP, sBias, sScale, sOScale, mSink, mO, mLse, mma_qk,
-                      mma_pv_rs, scale_log2, t, hblk, split, H, n_tiles, wtid, tma_o, tO):
+                      mma_pv_rs, scale_log2, t, hblk, split, H, n_tiles, wtid):
             thr_qk = mma_qk.get_slice(wtid)
             tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))          # (MMA, 1, 32) descriptors
             tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))          # (MMA, 1, 32, STAGES)
@@ -415,14 +391,12 @@ if _HAVE_DSL:
                 pipe.consumer_wait(cs)
                 acc_s.fill(0.0)
                 warpgroup.fence()
-                if cutlass.const_expr(self.mma):
-                    for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                        cute.gemm(mma_qk, acc_s, tSrQ[(None, None, kb, 0)], tSrK[(None, None, kb, stage)], acc_s)
+                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                    cute.gemm(mma_qk, acc_s, tSrQ[(None, None, kb, 0)], tSrK[(None, None, kb, stage)], acc_s)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                if cutlass.const_expr(self.nbar):
-                    if it > 0:
-                        cute.arch.barrier(barrier_id=BAR_P_FREE, number_of_threads=256)   # WG1 done with sP / sScale
+                if it > 0:
+                    cute.arch.barrier(barrier_id=BAR_P_FREE, number_of_threads=256)   # WG1 done with sP / sScale
                 # ---- online softmax (base 2), per row of this thread ----
                 for i in cutlass.range_constexpr(n_rows):
                     m_cur = row_max[i]
@@ -448,13 +422,11 @@ if _HAVE_DSL:
                 rP.store(acc_s.load().to(BFloat16))
                 cute.copy(r2s, tPrP, tPsP[(None, None, None, 0)])
                 cute.arch.fence_view_async_shared()              # sP is read by WG1's WGMMA
-                if cutlass.const_expr(self.nbar):
-                    cute.arch.barrier_arrive(barrier_id=BAR_P_READY, number_of_threads=256)
+                cute.arch.barrier_arrive(barrier_id=BAR_P_READY, number_of_threads=256)
                 # ---- O[:, :256] += P V ----
                 warpgroup.fence()
-                if cutlass.const_expr(self.mma):
-                    for kb in cutlass.range_constexpr(TILE_N // 16):
-                        cute.gemm(mma_pv_rs, acc_o, tOrP[(None, None, kb)], tOrV[(None, None, kb, stage)], acc_o)
+                for kb in cutlass.range_constexpr(TILE_N // 16):
+                    cute.gemm(mma_pv_rs, acc_o, tOrP[(None, None, kb)], tOrV[(None, None, kb, stage)], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 pipe.consumer_release(cs)
@@ -478,10 +450,13 @@ if _HAVE_DSL:
                     sink2 = -Float32.inf
                     if h < H:
                         sink2 = mSink[h] * LOG2E
+                    lse = -Float32.inf
+                    if h < H:
+                        lse = mSink[h]              # no valid entry: the sink alone, exactly
                     if l > 0.0:
                         o_scale = 1.0 / (l + cute.math.exp2(sink2 - m))
-                    mm = cutlass.max(m, sink2)
-                    lse = (mm + cute.math.log2(l * cute.math.exp2(m - mm) + cute.math.exp2(sink2 - mm))) / LOG2E
+                        mm = cutlass.max(m, sink2)
+                        lse = (mm + cute.math.log2(l * cute.math.exp2(m - mm) + cute.math.exp2(sink2 - mm))) / LOG2E
                 for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                     acc_o_mn[i, j] = acc_o_mn[i, j] * o_scale
                 if wtid % 4 == 0:
@@ -492,15 +467,11 @@ if _HAVE_DSL:
                         else:
                             mLse[t, h] = lse
             cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)
-            if cutlass.const_expr(self.epi_tma):
-                self._store_o_tma(acc_o, mma_pv_rs, sQ, tma_o, tO, t, hblk, wtid, 0)
-            else:
-                self._store_o(acc_o, thr_pv, mO, t, hblk, split, H, 0)
+            self._store_o(acc_o, thr_pv, mO, t, hblk, split, H, 0)
 
         # ------------------------------------------------------------------ consumer 1
         @cute.jit
-        def _consume1(self, pipe, sVt, sP, sScale, sOScale, mO, mma_pv_ss, t, hblk, split, H, n_tiles, wtid,
-                      sQ, tma_o, tO):
+        def _consume1(self, pipe, sVt, sP, sScale, sOScale, mO, mma_pv_ss, t, hblk, split, H, n_tiles, wtid):
             thr_pv = mma_pv_ss.get_slice(wtid)
             sV1 = cute.local_tile(sVt, (HEAD_DIM // 2, TILE_N), (1, 0, None))  # dims [256, 512)
             tOrV = mma_pv_ss.make_fragment_B(thr_pv.partition_B(sV1))
@@ -514,57 +485,29 @@ if _HAVE_DSL:
             cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             for it in cutlass.range(n_tiles, unroll=1):
                 stage = cs.index
-                if cutlass.const_expr(self.nbar):
-                    cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=256)
+                cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=256)
                 pipe.consumer_wait(cs)
                 for i in cutlass.range_constexpr(n_rows):
                     sc = sScale[cO[i, 0][0]]
                     for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                         acc_o_mn[i, j] = acc_o_mn[i, j] * sc
                 warpgroup.fence()
-                if cutlass.const_expr(self.mma):
-                    for kb in cutlass.range_constexpr(TILE_N // 16):
-                        cute.gemm(mma_pv_ss, acc_o, tOrP[(None, None, kb, 0)], tOrV[(None, None, kb, stage)], acc_o)
+                for kb in cutlass.range_constexpr(TILE_N // 16):
+                    cute.gemm(mma_pv_ss, acc_o, tOrP[(None, None, kb, 0)], tOrV[(None, None, kb, stage)], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 pipe.consumer_release(cs)
                 cs.advance()
-                if cutlass.const_expr(self.nbar):
-                    if it + 1 < n_tiles:
-                        cute.arch.barrier_arrive(barrier_id=BAR_P_FREE, number_of_threads=256)
+                if it + 1 < n_tiles:
+                    cute.arch.barrier_arrive(barrier_id=BAR_P_FREE, number_of_threads=256)
             cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)
             for i in cutlass.range_constexpr(n_rows):
                 sc = sOScale[cO[i, 0][0]]
                 for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                     acc_o_mn[i, j] = acc_o_mn[i, j] * sc
-            if cutlass.const_expr(self.epi_tma):
-                self._store_o_tma(acc_o, mma_pv_ss, sQ, tma_o, tO, t, hblk, wtid, 1)
-            else:
-                self._store_o(acc_o, thr_pv, mO, t, hblk, split, H, 1)
+            self._store_o(acc_o, thr_pv, mO, t, hblk, split, H, 1)
 
         # ------------------------------------------------------------------ epilogue store
-        @cute.jit
-        def _store_o_tma(self, acc_o, mma_pv, sQ, tma_o, tO, t, hblk, wtid, half: cutlass.Constexpr):
-            """bf16 O half -> the Q tile (stmatrix; Q is no longer read), then one TMA store of the
-            64 x 512 tile; TMA clips the rows >= H."""
-            r_out = cute.make_rmem_tensor(acc_o.layout, BFloat16)
-            r_out.store(acc_o.load().to(BFloat16))
-            r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16),
-                                         mma_pv)
-            thr = r2s.get_slice(wtid)
-            sO_half = cute.local_tile(sQ[(None, None, 0)], (BLOCK_H, HEAD_DIM // 2), (0, half))
-            cute.copy(r2s, thr.retile(r_out), thr.partition_D(sO_half))
-            cute.arch.fence_view_async_shared()                  # generic smem writes -> TMA (async proxy)
-            cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=256)
-            if cutlass.const_expr(half == 0):
-                if wtid == 0:
-                    gO = cute.local_tile(tO[(None, None, t)], (BLOCK_H, HEAD_DIM), (hblk, 0))
-                    tOs, tOg = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                     cute.group_modes(gO, 0, 2))
-                    cute.copy(tma_o, tOs[(None, 0)], tOg)
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-
         @cute.jit
         def _store_o(self, acc_o, thr_pv, mO, t, hblk, split, H, half: cutlass.Constexpr):
             """Rows h < H of this warpgroup's 64 x 256 half of O -> global (bf16, or fp32 partial)."""
@@ -622,12 +565,8 @@ def make_fake_args(split: bool):
             Int32(64), Float32(1.0), Int32(1), Int32(1), make_fake_stream())
 
 
-#: development bisection only (kernel constructor switches, part of the provider's compile key); {} in production
-DEBUG_VARIANT: dict = {}
-
-
 def compile_kernel(split: bool, arch: str, extra: str = ""):
-    return cute.compile(SparseAttentionFwdKernel(split, **DEBUG_VARIANT), *make_fake_args(split),
+    return cute.compile(SparseAttentionFwdKernel(split), *make_fake_args(split),
                         options=compile_options(arch, extra))
 
 

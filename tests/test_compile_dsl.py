@@ -82,3 +82,16 @@ def test_dequant_fp4_ptx_has_lut_decode_and_128bit_memory(dump_dir):
 def test_every_dsl_module_has_a_compile_check():
     missing = [n for n in _dsl_modules() if not _has_compile_check(n)]
     assert not missing, f"kernels_dsl modules without compile_check(): {missing}"
+
+
+def test_attn_lists_ptx_has_16byte_stores_and_loads(dump_dir):
+    """attn_lists: every output chunk is one 16-byte store (2 outputs for swa, 4 for csa / hca); the CSA
+    top-k entries come in 16-byte loads; sm_90a."""
+    from kernels_dsl import attn_lists
+    variants = attn_lists.compile_check(dump_dir)
+    assert set(variants) == set(attn_lists.CHECK_VARIANTS)
+    for v, ptx in variants.items():
+        n_st = len(re.findall(r"st\.global\.v4\.b32", ptx))
+        assert n_st == (2 if v.startswith("swa") else 4), (v, n_st)
+        assert bool(re.search(VECTOR_LOAD_128, ptx)) == v.startswith("csa"), v
+        assert re.search(r"\bdiv\.s64", ptx), v                 # int64 page / position math

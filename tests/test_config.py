@@ -166,10 +166,10 @@ def test_readers_defaults_and_values(clean_env):
     assert env_str("DSV4_CACHE_DIR") is None and env_str("DSV4_CACHE_DIR", "x") == "x"
     clean_env.setenv("DSV4_MOE_DECODE_L2PF", "64")
     clean_env.setenv("DSV4_MOE_DECODE", "0")
-    clean_env.setenv("DSV4_MOE_KERNEL", "v2")
+    clean_env.setenv("DSV4_MOE_KERNEL", "v3")
     clean_env.setenv("DSV4_CACHE_DIR", "/tmp/c")
     assert env_int("DSV4_MOE_DECODE_L2PF") == 64 and env_flag("DSV4_MOE_DECODE") is False
-    assert env_choice("DSV4_MOE_KERNEL") == "v2" and env_str("DSV4_CACHE_DIR") == "/tmp/c"
+    assert env_choice("DSV4_MOE_KERNEL") == "v3" and env_str("DSV4_CACHE_DIR") == "/tmp/c"
     for k in ("DSV4_MOE_DECODE_L2PF", "DSV4_MOE_DECODE", "DSV4_MOE_KERNEL"):
         clean_env.setenv(k, "")                       # empty = unset = the default
     assert env_int("DSV4_MOE_DECODE_L2PF") == 256 and env_flag("DSV4_MOE_DECODE") is True

@@ -11,10 +11,11 @@ Gates (b) / (c) (recall vs the fp32 path, CSA attention cosine) live in tests/te
 and run on whatever provider dispatch picks.
 
 Status on the H200 (issue 13): every decode test below PASSED in GPU job idx-03 (the decode
-provider is the registry default for MXFP4 / FP8). The prefill tests (``prefill_logits_dsl``,
-not a registered provider yet) have not completed on the H200: job idx-02 lost its CUDA context
-to an unrelated decode bug (fixed, job idx-03) before reaching them and job idx-03 ran out of
-time in them. They are the first thing to run in the next GPU job.
+provider is the registry default for MXFP4 / FP8). The prefill kernel passed the same checks in
+jobs idx-11 / idx-12 (case scripts: smoke, 4 packed sequences, recall gate (b), graph capture;
+the registry default for MXFP4 keys since then) except FP8 keys on short rows (2.28e-3 x the row
+max; xfail below, FP8 prefill stays on cuda). The pytest functions of this file for prefill have
+not run as such on the H200 (the jobs ran their bodies in per-case processes).
 """
 from __future__ import annotations
 
@@ -84,18 +85,35 @@ def test_dsl_providers_registered_and_nvfp4_reason_cpu():
     from dsv4.ops.indexer import LOGITS_OP, PAGED_OP
     from dsv4.target import Target
     t = Target("cuda", "sm_90a", "H200", 132, 0)
-    assert not hasattr(LOGITS_OP.provider("dsl"), "run")      # the prefill kernel is not registered yet
-    for op, extra in ((PAGED_OP, {"next_n": 1, "block_size": 64, "max_ctx": 64}),):
+    from kernels_dsl import indexer as ki
+    for op, extra in ((PAGED_OP, {"next_n": 1, "block_size": 64, "max_ctx": 64}), (LOGITS_OP, {})):
         p = op.provider("dsl")
         if hasattr(p, "ok"):
             pytest.skip(p.reason)
         for fmt in DSL_FORMATS:
-            assert p.supports({"fmt": fmt, **extra, "device": "cuda"}, t), (op.name, fmt)
+            s = p.supports({"fmt": fmt, **extra, "device": "cuda"}, t)
+            if op is LOGITS_OP and fmt not in ki.PREFILL_VALIDATED and not os.environ.get("DSV4_RUN_UNVALIDATED"):
+                assert not s and "2e-3" in s.reason, s     # FP8 keys: the exact cuda kernel keeps prefill
+            else:
+                assert s, (op.name, fmt)
         no = p.supports({"fmt": "nvfp4", **extra, "device": "cuda"}, t)
         assert not no and "NVFP4" in no.reason
+    assert not LOGITS_OP.provider("dsl").supports({"fmt": "mxfp4", "device": "cuda"},
+                                                  Target("cuda", "sm_80", "A100", 108, 0))
     p = PAGED_OP.provider("dsl")
     assert not p.supports({"fmt": "mxfp4", "next_n": 5, "block_size": 64, "max_ctx": 64, "device": "cuda"}, t)
     assert not p.supports({"fmt": "mxfp4", "next_n": 1, "block_size": 96, "max_ctx": 64, "device": "cuda"}, t)
+
+
+def test_prefill_operand_choices_cpu():
+    """MXFP4 runs on E4M3 operands only; FP8 keys on BF16 (default, exact) or E4M3; others refused
+    by name before anything is launched."""
+    pytest.importorskip("cutlass")
+    from kernels_dsl.indexer import prefill_logits_dsl
+    x = torch.zeros(1, dtype=torch.uint8)
+    for fmt, operand in (("mxfp4", "bf16"), ("fp8", "fp16"), ("nvfp4", None)):
+        with pytest.raises(ValueError, match="fmt" if operand is None else "operand"):
+            prefill_logits_dsl(x, x, x, x, x, x, x, fmt=fmt, operand=operand)
 
 
 # =========================================================================================
@@ -234,9 +252,17 @@ def test_gpu_dsl_paged_graph_capture(cuda_device):
     assert torch.equal(out, eager)
 
 
+#: (fmt, WGMMA operand) of the prefill kernel: MXFP4 folded to E4M3 (validated, jobs idx-11/12), FP8
+#: widened to BF16 (the exact FP8-key variant: compiled, NOT yet run on the H200), FP8 as E4M3 (runs,
+#: but the FP8 WGMMA's ~14-bit accumulation reached 2.28e-3 x the row max on short rows, job idx-11)
+PREFILL_VARIANTS = [("mxfp4", "e4m3"), ("fp8", "bf16"), pytest.param("fp8", "e4m3", marks=pytest.mark.xfail(
+    reason="FP8 WGMMA accumulation (K = 128, ~14 bits): 2.28e-3 x the row max on short rows (job idx-11)",
+    strict=False))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", DSL_FORMATS)
-def test_gpu_dsl_prefill_contract(cuda_device, fmt):
+@pytest.mark.parametrize("fmt,operand", PREFILL_VARIANTS)
+def test_gpu_dsl_prefill_contract(cuda_device, fmt, operand):
     """Prefill: 5 packed sequences (24187 queries, 6045 entries), causal ranges; sampled rows vs
     fp64 on the same quantized values; every row's -inf mask."""
     dev = cuda_device
@@ -247,7 +273,7 @@ def test_gpu_dsl_prefill_contract(cuda_device, fmt):
     qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True)
     kv, ksf = quantize_rows(d.k, fmt, None, True)
     from kernels_dsl.indexer import prefill_logits_dsl
-    L = prefill_logits_dsl(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt)
+    L = prefill_logits_dsl(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt, operand=operand)
     cols = torch.arange(S, device=dev)
     assert torch.equal(torch.isfinite(L), (cols[None] >= ks[:, None]) & (cols[None] < ke[:, None]))
     g = torch.Generator().manual_seed(0)
@@ -255,7 +281,27 @@ def test_gpu_dsl_prefill_contract(cuda_device, fmt):
     ref = logits_ref(dequantize_q(qd[rows], qs[rows], fmt), wo[rows], dequantize_rows(kv, ksf, fmt), ks[rows], ke[rows],
                      dtype=torch.float64, chunk=16)
     st = _contract(L[rows], ref, ke[rows] - ks[rows])
-    print(f"\ndsl prefill {fmt}: {st}")
+    print(f"\ndsl prefill {fmt}/{operand}: {st}")
+    _assert_contract(st)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,operand", PREFILL_VARIANTS)
+@pytest.mark.parametrize("lens_", [[21], [300, 5, 130]])
+def test_gpu_dsl_prefill_short_rows(cuda_device, fmt, operand, lens_):
+    """Rows with 0..80 allowed entries (the first queries of each sequence see none), T and S not
+    multiples of the tiles; every row vs fp64 on the same quantized values."""
+    dev = cuda_device
+    ks, ke, pos = indexer_prefill_ranges(lens_, device=dev)
+    T, S = int(ks.numel()), sum(L // 4 for L in lens_)
+    d = indexer_inputs(T, S, seed=1, q_positions=pos.cpu(), device=dev)
+    qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True)
+    kv, ksf = quantize_rows(d.k, fmt, None, True)
+    from kernels_dsl.indexer import prefill_logits_dsl
+    L = prefill_logits_dsl(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt, operand=operand)
+    ref = logits_ref(dequantize_q(qd, qs, fmt), wo, dequantize_rows(kv, ksf, fmt), ks, ke, dtype=torch.float64, chunk=16)
+    st = _contract(L, ref, ke - ks, k=64)
+    print(f"\ndsl prefill short rows {fmt}/{operand} {lens_}: {st}")
     _assert_contract(st)
 
 

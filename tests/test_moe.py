@@ -253,14 +253,14 @@ _HYP_WEIGHTS = {E: make_weights(E, 256, 128, seed=E) for E in range(1, 10)}
 @pytest.mark.parametrize("act", [0, 1])
 @pytest.mark.parametrize("fmt", [0, 1])
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("sw", [0, 1])
-def test_kernel_compiles_with_wgmma(act, fmt, stage, sw):
+def test_kernel_compiles_with_wgmma(act, fmt, stage):
     pytest.importorskip("cuda.bindings")
     from kernels_cuda.nvrtc import load
-    ptx = load("moe.cu", MOE_ACT=act, MOE_WFMT=fmt, MOE_STAGE=stage, MOE_SW128=sw).ptx()
-    assert "wgmma.mma_async" in ptx and ".entry moe_gemm_kernel_v2" in ptx and ".entry moe_gemm_kernel(" in ptx
+    ptx = load("moe.cu", MOE_ACT=act, MOE_WFMT=fmt, MOE_STAGE=stage).ptx()
+    assert "wgmma.mma_async" in ptx and ".entry moe_gemm_kernel_v3" in ptx
+    assert ".entry moe_gemm_kernel(" not in ptx and ".entry moe_gemm_kernel_v2" not in ptx  # v1 / v2: deleted
     assert ("e4m3.e4m3" in ptx) if act == 0 else ("bf16.bf16" in ptx)
-    assert "prmt.b32" in ptx and "cp.async.cg.shared.global" in ptx and "ld.global.nc.v4" in ptx
+    assert "prmt.b32" in ptx and "cp.async.cg.shared.global" in ptx
     assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx  # no spills / local arrays
     if act == 0:  # v4: warp-specialized producer / consumers through mbarriers, register reallocation
@@ -269,7 +269,7 @@ def test_kernel_compiles_with_wgmma(act, fmt, stage, sw):
         assert "setmaxnreg.dec" in ptx
     else:
         assert ".entry moe_gemm_kernel_v4" not in ptx  # v4 is FP8-only; W4A16 runs v3
-    if act == 0 and fmt == 1:  # NVFP4 W4A8: hi + lo WGMMAs (predicated lo in v2/v3)
+    if act == 0 and fmt == 1:  # NVFP4 W4A8: hi + lo WGMMAs (predicated lo in v3)
         assert "@g wgmma" in ptx
 
 
@@ -277,20 +277,19 @@ def test_kernel_compiles_with_wgmma(act, fmt, stage, sw):
 def test_v4_one_producer_warpgroup_compiles(fmt):
     pytest.importorskip("cuda.bindings")
     from kernels_cuda.nvrtc import load
-    ptx = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=1, MOE_SW128=1, V4_PWG=1).ptx()
+    ptx = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=1, V4_PWG=1).ptx()
     assert ".entry moe_gemm_kernel_v4" in ptx and ".maxntid 384" in ptx and "setmaxnreg.dec.sync.aligned.u32 88" in ptx
-    ptx2 = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=1, MOE_SW128=1).ptx()
+    ptx2 = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=1).ptx()
     assert ".maxntid 512" in ptx2  # default: two producer warpgroups
-    ptx3 = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=2, MOE_SW128=1, V4_WCOAL=1).ptx()
+    ptx3 = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=2, V4_WCOAL=1).ptx()
     assert "bar.sync" in ptx3 and ".entry moe_gemm_kernel_v4" in ptx3  # producer named barrier (tuning option)
 
 
 def test_effective_version_and_smem_fit(monkeypatch):
     from kernels_cuda import moe as km
     assert km.effective_version("bf16", "mxfp4", "v4") == "v3"
-    assert km.effective_version("fp8", "nvfp4", "v1") == "v2"
     assert km.effective_version("fp8", "nvfp4", "v4") == "v4"
-    for ver in ("v1", "v2", "v3", "v4"):
+    for ver in ("v3", "v4"):
         for act in ("fp8", "bf16"):
             for fmt in ("mxfp4", "nvfp4"):
                 v = km.effective_version(act, fmt, ver)
@@ -373,18 +372,17 @@ def test_device_lo_lut_emulation():
 
 
 # ------------------------------------------------------------------------------------- GPU
-#: grouped-GEMM implementations the GPU tests run: v1..v4 = the cuda provider with that
-#: DSV4_MOE_KERNEL version, dsl = the CuTe DSL provider (DSV4_MOE_TEST_VERSIONS, dsv4/config.py)
-_GPU_VERSIONS = [v for v in __import__("os").environ.get("DSV4_MOE_TEST_VERSIONS", "v1,v2,v3,v4,dsl").split(",") if v]
+#: grouped-GEMM providers the GPU tests of prefill-sized groups run (DSV4_MOE_TEST_VERSIONS,
+#: dsv4/config.py): the registry sends those to ``dsl`` (kernels_cuda/moe.py PREFILL_FASTER is
+#: empty: the cuda provider declines them); decode-sized groups are tested on both providers below
+#: and in tests/test_moe_decode.py.
+_GPU_VERSIONS = [v for v in __import__("os").environ.get("DSV4_MOE_TEST_VERSIONS", "dsl").split(",") if v]
 
 
 @pytest.fixture(params=_GPU_VERSIONS)
-def kver(request, monkeypatch):
-    """The provider kind under test ("cuda" with ``DSV4_MOE_KERNEL`` set, or "dsl")."""
-    if request.param == "dsl":
-        return "dsl"
-    monkeypatch.setenv("DSV4_MOE_KERNEL", request.param)
-    return "cuda"
+def kver(request):
+    """The provider kind under test ("dsl", or "cuda" where it serves the problem)."""
+    return request.param
 
 
 def _gemm2_tol(kver: str, act: str) -> float:
@@ -502,6 +500,7 @@ def test_gpu_gemm2_within_contract_given_h(act, kver):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kver", ["dsl", "cuda"])
 def test_gpu_decode_masked_flash_shape_and_graph(kver):
     """Decode: 1-16 tokens per active expert at D=4096, I=2048, E=256; CUDA-graph capture."""
     dev = "cuda"
@@ -672,6 +671,28 @@ def test_dsl_config_heuristic_and_smem_fit():
     # the hint decides the tile, not the average: one hot expert among many empty ones
     assert C.choose(stage=1, act="fp8", fmt="mxfp4", R=300, E=256, N=4096, K=4096).tile_m == 64
     assert C.choose(stage=1, act="fp8", fmt="mxfp4", R=300, E=256, N=4096, K=4096, max_m=290).tile_m == 128
+
+
+def test_gemm_routing_decode_cuda_prefill_dsl():
+    """The registry order (dsv4.ops.moe.GEMM_KINDS) asks cuda first; the cuda provider accepts only
+    decode-sized groups (moe_decode.cu, measured faster there) and declines prefill with the reason
+    that the DSL grouped GEMM is faster; every problem is one the dsl provider supports."""
+    from dsv4.registry import get_op
+    from dsv4.target import Target
+    from kernels_cuda import moe as km
+    t = Target("cuda", "sm_90a", "H200", 132, 0)
+    assert moe.GEMM_KINDS[:2] == ("cuda", "dsl") and not km.PREFILL_FASTER
+    for name, cls, N, K in (("moe_gemm1_swiglu", km.CudaMoEGemm1, 4096, 4096), ("moe_gemm2", km.CudaMoEGemm2, 4096, 2048)):
+        op = get_op(name)
+        for act in ("fp8", "bf16"):
+            for fmt in ("mxfp4", "nvfp4"):
+                for R, decode in ((256 * 4, True), (6 * 64, True), (256 * 16, True), (6 * 4096, False), (256 * 17, False)):
+                    p = {"fmt": fmt, "act": act, "E": 256, "N": N, "K": K, "R": R, "max_m": None, "device": "cuda"}
+                    s = cls(op).supports_problem(p)
+                    assert s.ok == decode, (name, act, fmt, R, s.reason)
+                    assert ("moe_decode.cu" in s.reason) if decode else ("DSL grouped GEMM is faster" in s.reason)
+                    d = op.check("dsl", p, t)
+                    assert d.ok or "not importable" in d.reason, d.reason
 
 
 def test_dsl_provider_reason_shows_config():

@@ -236,10 +236,11 @@ def test_grid_bounds_items():
 
 
 def test_provider_dispatch_is_wired():
-    """kernels_cuda/moe.py calls the decode plan in both providers (kept a small, separate edit)."""
+    """kernels_cuda/moe.py calls the decode plan in both providers' run and in their supports (the
+    cuda provider serves exactly the decode-plan problems, PREFILL_FASTER being empty)."""
     from pathlib import Path
     src = (Path(moe_decode.__file__).parent / "moe.py").read_text()
-    assert src.count("moe_decode.plan(") == 2 and "moe_decode.gemm1_swiglu(" in src and "moe_decode.gemm2(" in src
+    assert src.count("moe_decode.plan(") == 3 and "moe_decode.gemm1_swiglu(" in src and "moe_decode.gemm2(" in src
 
 
 # ------------------------------------------------------------------------------ compile checks
@@ -410,9 +411,9 @@ def test_gpu_decode_flash_shape_graph_and_contiguous(consumer):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,act", [("mxfp4", "fp8"), ("nvfp4", "fp8"), ("nvfp4", "bf16")])
-def test_gpu_decode_layer_vs_checkpoint_reference_and_old_path(fmt, act, monkeypatch):
+def test_gpu_decode_layer_vs_checkpoint_reference_and_dsl(fmt, act):
     """The whole routed-expert layer (masked, m = 4) vs moe_layer_ref (checkpoint layout, exact
-    dequant); for MXFP4 also vs the prefill kernel (DSV4_MOE_DECODE=0)."""
+    dequant); for MXFP4 also vs the same layer on the CuTe DSL grouped GEMMs."""
     from tests.test_moe import make_weights, make_x, prep, random_routing, ref_out
     from dsv4.ops import moe
     from dsv4.registry import use
@@ -423,15 +424,14 @@ def test_gpu_decode_layer_vs_checkpoint_reference_and_old_path(fmt, act, monkeyp
     idx, w = random_routing(T, E, k, device="cuda", only=[e for e in range(E) if e % 4])
     with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
         out = moe.moe_experts(x, idx, w, W, act=act, layout="masked", max_m=16)
-        monkeypatch.setenv("DSV4_MOE_DECODE", "0")
-        out_old = moe.moe_experts(x, idx, w, W, act=act, layout="masked", max_m=16)
-        monkeypatch.delenv("DSV4_MOE_DECODE")
+    with use(moe_gemm1_swiglu="dsl", moe_gemm2="dsl"):
+        out_dsl = moe.moe_experts(x, idx, w, W, act=act, layout="masked", max_m=16)
     ref = ref_out(x, ck, fmt, act, idx, w)
     err = _rel(out, ref)
-    print(f"\n[moe decode layer] {fmt} {act}: vs reference {err:.2e}, old path vs reference {_rel(out_old, ref):.2e}")
+    print(f"\n[moe decode layer] {fmt} {act}: vs reference {err:.2e}, dsl vs reference {_rel(out_dsl, ref):.2e}")
     assert err < (1e-2 if act == "fp8" else 3e-3)
     if fmt == "mxfp4":
-        assert _rel(out, out_old) < (1e-2 if act == "fp8" else 3e-3)
+        assert _rel(out, out_dsl) < (1e-2 if act == "fp8" else 3e-3)
 
 
 # ------------------------------------------------------------------------------ schedule port (CPU)

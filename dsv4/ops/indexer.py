@@ -43,14 +43,16 @@ quantized values (the torch reference on the dequantized bytes):
      attention cosine of the two selections (mean >= 0.999) are measured at 32k tokens by
      tests/test_indexer.py (table in docs/benchmarks.md).
 
-What the providers do: ``dsl`` (decode, MXFP4 / FP8 keys, sm_90a) runs one FP8 WGMMA (K = 128)
-per (head, key): MXFP4 block scales are folded into the E4M3 operand bytes relative to the row's
-largest block (exact for blocks within 14 binades of it), the remaining power-of-two scales
-and FP8 key scales are applied in FP32 after the head sum (DeepGEMM-style promotion). Measured
-on the H200: MXFP4 <= 2.2e-7 (E2M1 x E2M1 products are exact in the FP8 tensor core), FP8
-<= 1.0e-3, top-k recall >= 99.8% (Hopper's FP8 accumulator keeps ~14 bits). ``cuda`` (NVFP4
-decode; every prefill) decodes exactly to BF16 (<= 1e-5). The bound is what the quantization
-itself already costs (FP8 keys: 1.3e-2 from the bf16 inputs), not bit-exactness.
+What the providers do: ``dsl`` (decode: MXFP4 / FP8 keys; prefill: MXFP4 keys; sm_90a) runs one
+FP8 WGMMA (K = 128) per (head, key): MXFP4 block scales are folded into the E4M3 operand bytes
+relative to the row's largest block (exact for blocks within 14 binades of it), the remaining
+power-of-two scales and FP8 key scales are applied in FP32 after the head sum (DeepGEMM-style
+promotion). Measured on the H200: MXFP4 <= 4.5e-7 (E2M1 x E2M1 products are exact in the FP8
+tensor core), FP8 decode <= 1.0e-3, top-k recall >= 99.8% (Hopper's FP8 accumulator keeps ~14
+bits). The same FP8 WGMMA reached 2.28e-3 on short prefill rows (job idx-11), so FP8-key prefill
+runs on ``cuda``. ``cuda`` (NVFP4 decode; NVFP4 and FP8 prefill) decodes exactly to BF16
+(<= 1e-5). The bound is what the quantization itself already costs (FP8 keys: 1.3e-2 from the
+bf16 inputs), not bit-exactness.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ from ..registry import Op, register
 from ..target import Target
 
 __all__ = ["indexer_cache_write", "indexer_q_quant", "indexer_logits", "indexer_logits_paged",
-           "indexer_topk", "indexer_prefill_ranges", "indexer_bytes_per_token", "FORMATS"]
+           "indexer_topk", "indexer_topk_paged", "indexer_prefill_ranges", "indexer_bytes_per_token", "FORMATS"]
 
 FORMATS = {"mxfp4": (64, 4), "nvfp4": (64, 8), "fp8": (128, 4)}
 HEADS, DIM = 64, 128
@@ -295,7 +297,7 @@ def indexer_logits(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, k_
     Returns:
         fp32 ``[T, S]``: ``sum_h w[t,h] * relu(q[t,h] . K[s])`` inside the range, -inf outside.
         Precision: within 2e-3 x the row's max |logit| of fp64 on the same quantized values,
-        top-k recall >= 99.5% (module docstring; today's provider, the CUDA BF16 kernel, is exact).
+        top-k recall >= 99.5% (module docstring; dsl for MXFP4 keys <= 4.5e-7, cuda BF16 for FP8 / NVFP4 exact).
 
     Raises:
         ValueError / LayoutError (argument named, expected vs got).
@@ -482,8 +484,124 @@ def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     return topk(logits, lengths, int(k))
 
 
+# =========================================================================================
+# 6. decode logits + top-k in one op
+TOPK_PAGED_SPEC = OpSpec(
+    name="indexer_topk_paged",
+    summary="Decode indexer top-k: the indexer_logits_paged logits of every row, then the topk op's exact selection "
+            "(ties by lower index, -1 padding), optionally mapped to physical cache slots through block_table.",
+    inputs=PAGED_SPEC.inputs,
+    outputs=(
+        TensorSpec("indices", torch.int32, ("B * next_n", "k"), output=True,
+                   doc="logical entry positions s (0 <= s < context_lens of the row), sorted by logit desc, ties by "
+                       "lower s; or, with map_to_slots, block_table[b, s // block_size] * block_size + s % block_size; "
+                       "-1 = padding (rows with fewer than k finite logits; never mapped)"),
+        TensorSpec("scores", torch.float32, ("B * next_n", "k"), output=True,
+                   doc="the selected logits (return_scores=True), -inf for padding"),
+    ),
+    params=(_FMT_PARAM, Param("k", "int", "1..2048", "entries kept per row (512 Flash / 1024 Pro)"),
+            Param("max_ctx", "int", "<= max_blocks * block_size", "logit columns considered (default max_blocks*block_size)"),
+            Param("map_to_slots", "bool", "{False, True}", "return physical slots instead of logical positions"),
+            Param("return_scores", "bool", "{False, True}", "also return the selected logits")),
+    constraints=PAGED_SPEC.constraints,
+    formula="indices = topk(indexer_logits_paged(q, w, cache, context_lens, block_table), lengths=context_lens "
+            "(per row, clamped to max_ctx), k, block_table if map_to_slots, rows_per_seq=next_n)",
+    source="dsv4_spec.md 2.4 (lightning indexer selection); DeepGEMM fp8_paged_mqa_logits + vLLM / FlashInfer "
+           "top_k_page_table_transform semantics; the topk op's contract (docs/layouts/topk.md)",
+    notes=_LAYOUT_NOTE + " Same logits as indexer_logits_paged (same precision contract) and the same selection as "
+          "the topk op on them: bitwise identical to calling the two ops in sequence with the same providers.",
+)
+
+TOPK_PAGED_OP = register(Op("indexer_topk_paged", TOPK_PAGED_SPEC, module="indexer",
+                            example_problem=lambda t: {"fmt": "mxfp4", "next_n": 1, "block_size": 64, "max_ctx": 32768,
+                                                       "k": 512, "mapped": False, "device": t.device_type}))
+
+
+@torch.library.custom_op("dsv4::indexer_topk_paged", mutates_args=())
+def _topk_paged_op(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, lens: torch.Tensor,
+                   block_table: torch.Tensor, q_global: Optional[torch.Tensor], k_global: Optional[torch.Tensor],
+                   fmt: str, max_ctx: int, k: int, map_to_slots: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = {"fmt": fmt, "next_n": int(q_data.shape[1]), "block_size": int(cache.shape[1]), "max_ctx": int(max_ctx),
+               "k": int(k), "mapped": bool(map_to_slots), "device": q_data.device.type}
+    return TOPK_PAGED_OP.dispatch(problem, Target.of(q_data.device), q_data=q_data, q_sf=q_sf, w=w, cache=cache,
+                                  lens=lens, block_table=block_table, q_global=q_global, k_global=k_global)
+
+
+@_topk_paged_op.register_fake
+def _(q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fmt, max_ctx, k, map_to_slots):
+    rows = q_data.shape[0] * q_data.shape[1]
+    return w.new_empty((rows, k), dtype=torch.int32), w.new_empty((rows, k))
+
+
+def indexer_topk_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
+                       context_lens: torch.Tensor, block_table: torch.Tensor, k: int, *, fmt: str = "mxfp4",
+                       max_ctx: Optional[int] = None, q_global: Optional[torch.Tensor] = None,
+                       k_global: Optional[torch.Tensor] = None, map_to_slots: bool = False,
+                       return_scores: bool = False):
+    """Decode indexer selection: top-``k`` entries of every query row over the paged key cache.
+
+    Equivalent to ``topk(indexer_logits_paged(...), lengths, k, block_table=..., rows_per_seq=next_n)``
+    (:func:`indexer_logits_paged`, :func:`dsv4.ops.topk.topk`), as one op.
+
+    Args:
+        q_data, q_sf, w, cache, context_lens, block_table, fmt, max_ctx, q_global, k_global: as
+            :func:`indexer_logits_paged` (``context_lens`` ``[B]`` = committed entries shared by the
+            ``next_n`` rows, or ``[B, next_n]`` per row).
+        k: entries per row, a Python int in 1..2048.
+        map_to_slots: return physical cache slots ``block_table[b, s // block_size] * block_size +
+            s % block_size`` instead of logical positions ``s``.
+        return_scores: also return the selected logits.
+
+    Returns:
+        int32 ``[B*next_n, k]`` (and fp32 ``[B*next_n, k]`` scores): per row the entries with the
+        largest logits, sorted descending, ties by lower position; ``-1`` (score ``-inf``) pads
+        rows with fewer than ``k`` selectable entries (an entry is selectable when
+        ``s < min(len, max_ctx)`` and its page is inside the cache). Deterministic.
+        Precision: the logits obey :func:`indexer_logits_paged`'s contract (2e-3 x the row's max
+        |logit| against fp64 on the same quantized values), so the selection has top-k recall >=
+        99.5% against the exact selection on those values; given the logits it is exact.
+
+    Raises:
+        ValueError: ``k`` not an int in 1..2048; ``map_to_slots`` / ``return_scores`` not bools.
+        LayoutError: as :func:`indexer_logits_paged`.
+    """
+    import numbers
+
+    from ..reference.indexer import normalize_context_lens
+    from .topk import K_MAX
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= int(k) <= K_MAX:
+        raise ValueError(f"indexer_topk_paged: argument 'k' must be an int in 1..{K_MAX}, got {type(k).__name__} {k!r}")
+    for name, v in (("map_to_slots", map_to_slots), ("return_scores", return_scores)):
+        if not isinstance(v, bool):
+            raise ValueError(f"indexer_topk_paged: argument '{name}' must be a bool, got {type(v).__name__}")
+    _check_fmt(fmt, "indexer_topk_paged")
+    if q_data.dim() != 4:
+        raise LayoutError(f"indexer_topk_paged: argument 'q_data' must be [B, next_n, 64, VB], got {list(q_data.shape)}")
+    if context_lens.dtype != torch.int32 or context_lens.dim() not in (1, 2):
+        raise LayoutError("indexer_topk_paged: argument 'context_lens' must be int32 [B] or [B, next_n], got "
+                          f"{context_lens.dtype} {list(context_lens.shape)}")
+    lens = normalize_context_lens(context_lens, q_data.shape[1]).contiguous()
+    vb, sb = FORMATS[fmt]
+    env = TOPK_PAGED_SPEC.validate({"q_data": q_data, "q_sf": q_sf, "w": w, "cache": cache, "context_lens": lens,
+                                    "block_table": block_table, "q_global": q_global, "k_global": k_global},
+                                   symbols={"VB": vb, "SBQ": _sbq(fmt), "BPT": vb + sb})
+    full = env["max_blocks"] * env["block_size"]
+    if max_ctx is None:
+        max_ctx = full
+    if isinstance(max_ctx, bool) or not isinstance(max_ctx, numbers.Integral):
+        raise LayoutError(f"indexer_topk_paged: max_ctx must be an int (logit columns), got "
+                          f"{type(max_ctx).__name__} {max_ctx!r}")
+    if not (0 < int(max_ctx) <= full):
+        raise LayoutError(f"indexer_topk_paged: max_ctx={max_ctx} must be in [1, max_blocks*block_size={full}]")
+    _check_global("indexer_topk_paged", fmt, "q_global", q_global)
+    _check_global("indexer_topk_paged", fmt, "k_global", k_global)
+    idx, sc = torch.ops.dsv4.indexer_topk_paged(q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fmt,
+                                                int(max_ctx), int(k), map_to_slots)
+    return (idx, sc) if return_scores else idx
+
+
 def graph_cases(device) -> list:
-    """CUDA-graph cases (MXFP4): cache write, q quant, prefill logits, paged decode logits."""
+    """CUDA-graph cases (MXFP4): cache write, q quant, prefill logits, paged decode logits, decode top-k."""
     from ..data import indexer_inputs
     from ..reference.indexer import quantize_rows
     from ._common import GraphCase, bytes_of
@@ -534,4 +652,8 @@ def graph_cases(device) -> list:
         GraphCase("indexer_logits_paged-mxfp4", "indexer_logits_paged",
                   lambda: indexer_logits_paged(qd[:B * nn].view(B, nn, 64, 64), qs[:B * nn].view(B, nn, 64, 4),
                                                w[:B * nn], cache, lens, bt, fmt="mxfp4"), refresh),
+        GraphCase("indexer_topk_paged-mxfp4-k64-mapped", "indexer_topk_paged",
+                  lambda: bytes_of(*indexer_topk_paged(qd[:B * nn].view(B, nn, 64, 64), qs[:B * nn].view(B, nn, 64, 4),
+                                                       w[:B * nn], cache, lens, bt, 64, fmt="mxfp4", map_to_slots=True,
+                                                       return_scores=True)), refresh),
     ]

@@ -19,8 +19,8 @@ glue ops), ``kernels_dsl/moe.py`` (dsl, the grouped GEMMs on the ``kernels_dsl/s
 * :func:`moe_gemm1_swiglu` (``dsv4::moe_gemm1_swiglu``): grouped GEMM1 (W13) + DSV4 clamped
   SwiGLU + routing weight (+ FP8 1x128 UE8M0 requant for W4A8).
 * :func:`moe_gemm2` (``dsv4::moe_gemm2``): grouped GEMM2 (W2), fp32 rows.
-  The two GEMM ops prefer ``cuda`` over ``dsl`` (``GEMM_KINDS``): the DSL kernels are correct on the
-  H200 within the precision contract but measured 1.6-9x slower (docs/benchmarks.md, 2026-12-01).
+  The two GEMM ops run on the CuTe DSL grouped GEMM except where the CUDA decode kernel is measured
+  faster (few rows per expert; ``GEMM_KINDS``, docs/benchmarks.md, 2026-12-01).
 * :func:`moe_forward`: the routed-expert layer (route -> permute -> GEMM1 -> GEMM2 -> combine).
 
 Formulas: dsv4_spec.md 2.5 (FLASH-REF model.py L546-645) and 2.1 (act_quant, fp4_gemm).
@@ -96,12 +96,12 @@ PREPARE_SPEC = OpSpec(
                  ("D % 128 == 0", "hidden size D must be a multiple of 128 (K block)")),
     formula="w13p[e, 256t + 128h + 64u + j] = w13[e, u*I + 128t + 64h + j] (u = 0 gate, 1 up); scales likewise",
     source="dsv4_spec.md 2.5 / 2.7 (w1 = gate_proj, w3 = up_proj, w2 = down_proj; MXFP4 or NVIDIA NVFP4)",
-    notes="W4A8 exactness: the kernel folds the UE8M0 scales of a row's 128-K block into E4M3 values "
-          "relative to the block's largest exponent; exact when those 4 exponents span <= 14 binades "
-          "(E2M1 level * 2^d is exact in E4M3 for d in [-8, 6]); NVFP4 under W4A8 is exact when the E4M3 "
-          "block scales are powers of two (lossless MXFP4 re-encoding); with general E4M3 block scales the "
-          "kernel splits each decoded weight into hi + lo E4M3 parts (two FP8 WGMMAs), exact when within a "
-          "row's 128-K block floor(log2 max sf) - floor(log2 sf) <= 10 (kernels_cuda/moe.cu header).",
+    notes="W4A8 exactness (prefill: the CuTe DSL grouped GEMM, kernels_dsl/sm90/transform.py): the UE8M0 "
+          "scales of a weight row are folded into E4M3 values relative to the row's largest exponent over "
+          "its whole K; exact while the row's exponents span <= 14 binades (beyond: round-to-nearest into "
+          "the E4M3 subnormals, absolute error <= 2^(e_ref - 10)); NVFP4 under W4A8 splits each decoded "
+          "weight into hi + lo E4M3 parts (two FP8 WGMMAs), exact while the row's block scales lie within 8 "
+          "binades of its largest. Decode-sized groups (cuda moe_decode.cu) use exact BF16 weights.",
 )
 
 
@@ -161,7 +161,8 @@ def w13_tile_permutation(I: int, device=None) -> torch.Tensor:
     Raises:
         LayoutError: ``I`` is not a positive int multiple of 128.
 
-    Source: kernels_cuda/moe.cu GEMM1 tile (BLOCK_N = 256 rows = 128 gate + 128 up columns).
+    Source: the grouped GEMM1 weight tile (BLOCK_N = 256 rows = 128 gate + 128 up columns:
+    kernels_dsl/sm90/epilogue.py, kernels_cuda/moe_decode.cu).
     """
     if isinstance(I, bool) or not isinstance(I, int) or I <= 0 or I % 128:
         raise LayoutError(f"w13_tile_permutation: argument I={I!r} must be a positive int multiple of 128 "
@@ -675,11 +676,12 @@ def _ex_gemm(target):
             "device": target.device_type}
 
 
-#: provider preference of the grouped GEMMs: the CUDA kernels (moe.cu v4 / v3, moe_decode.cu) first
-#: because they are measured faster on the H200 than the CuTe DSL grouped GEMM (kernels_dsl/moe.py,
-#: correct within the contract there: job moegemm-03, 2026-12-01; 1.6-9x slower, numbers in the
-#: kernels_cuda/moe.py docstring),
-#: which runs when forced (``registry.use(moe_gemm1_swiglu="dsl")`` / ``DSV4_OPS``).
+#: provider preference of the grouped GEMMs: ``cuda`` is asked first but accepts only the problems
+#: where a CUDA kernel is measured faster, with that reason (kernels_cuda/moe.py: the moe_decode.cu
+#: decode kernel at <= 16 rows per expert); everything else -- prefill, both formats, W4A8 and W4A16
+#: -- runs on the CuTe DSL grouped GEMM (kernels_dsl/moe.py; GPU tests passed in jobs moe-11 and
+#: moe-12, 2026-12-01; 1.29-1.48x moe.cu v4 for Flash MXFP4 W4A8 prefill in moe-12).
+#: ``registry.last_choice(op).explain()`` shows the decision and the skipped provider's reason.
 GEMM_KINDS = ("cuda", "dsl", "torch")
 GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))
 GEMM2_OP = register(Op("moe_gemm2", GEMM2_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))

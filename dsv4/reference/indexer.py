@@ -37,7 +37,7 @@ from .hadamard import rotate_activation_ref
 
 __all__ = ["FORMATS", "HEADS", "DIM", "quantize_rows", "dequantize_rows", "cache_write_ref",
            "cache_split", "dequantize_cache", "q_quant_ref", "dequantize_q", "logits_ref",
-           "paged_logits_ref", "causal_ranges", "normalize_context_lens"]
+           "paged_logits_ref", "causal_ranges", "normalize_context_lens", "topk_paged_ref"]
 
 HEADS = 64
 DIM = 128
@@ -265,7 +265,28 @@ class TorchPagedLogits(TorchProvider):
         return paged_logits_ref(qr.reshape(B, nn, HEADS, DIM), w, kr, lens, block_table, problem["max_ctx"])
 
 
+def topk_paged_ref(logits: torch.Tensor, lens: torch.Tensor, block_table: torch.Tensor, k: int, block_size: int,
+                   mapped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection of ``indexer_topk_paged`` on given logits ``[B*next_n, max_ctx]``: the topk
+    op's reference (score desc, ties by lower position, -1 / -inf padding), lengths = the rows'
+    ``lens [B, next_n]``, optional block_table mapping (rows_per_seq = next_n)."""
+    from .topk import topk_ref
+    nn = lens.shape[1]
+    return topk_ref(logits, lens.reshape(-1), k, None, block_table if mapped else None,
+                    block_size if mapped else 0, nn)
+
+
+class TorchTopkPaged(TorchProvider):
+    describe = "torch reference (paged logits reference, then the topk reference)"
+
+    def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
+        logits = TorchPagedLogits.run(self, problem, q_data=q_data, q_sf=q_sf, w=w, cache=cache, lens=lens,
+                                      block_table=block_table, q_global=q_global, k_global=k_global)
+        return topk_paged_ref(logits, lens, block_table, problem["k"], problem["block_size"], problem["mapped"])
+
+
 PROVIDERS = {
+    "indexer_topk_paged": TorchTopkPaged,
     "indexer_cache_write": TorchCacheWrite,
     "indexer_q_quant": TorchQQuant,
     "indexer_logits": TorchLogits,

@@ -12,18 +12,20 @@ SM).
 Heuristic (measured reasons in docs/benchmarks.md once timed):
 
 * ``tile_m`` (token rows per CTA tile = 64 x consumer warpgroups): 128 when the largest expert
-  holds more than 64 rows, else 64 (decode: the MMA is far from the bound, the weight stream is;
-  one consumer warpgroup then decodes the whole 256-row weight tile and two CTAs share an SM).
+  holds more than 64 rows, else 64 (decode: one consumer warpgroup then decodes the whole
+  256-row weight tile; measured in job moe-12, 128-row tiles are 7-11% slower there).
   The decision uses the real per-expert maximum when the caller passes it (``max_m``, the
   DeepGEMM ``expected_m_per_group`` idea), else the masked-layout ``max_m`` / ``R / E``.
 * ``stages``: the deepest TMA ring (activation tile + packed E2M1 tile per stage) that fits next
   to the double-buffered decoded-weight tile, at most 8.
-* ``ctas_per_sm``: 2 for ``tile_m = 64`` when two CTAs fit (decode), else 1.
-* No swap-AB variant: with the weight rows as the WGMMA N operand (256 per CTA) the MMA of a
-  decode step costs less than streaming its weights from HBM, so token rows stay the M operand
-  and one kernel serves prefill and decode (the tile rows beyond an expert's count are TMA
-  zero-fill and are never stored). Measured (job moegemm-03): the limiter in both regimes is the
-  operand transform, not the MMA, so swap-AB would not help until the transform is faster.
+* ``ctas_per_sm``: 2 for ``tile_m = 64`` when two CTAs fit (never with the current buffers: 1).
+* ``scale_tma``: the weight scale bytes ride in the TMA stage whenever ``K / SF % 16 == 0`` (the
+  DSV4 shapes); else the consumers load them from global memory one K block ahead.
+* No swap-AB variant: token rows stay the WGMMA M operand and one kernel serves prefill and decode
+  (the tile rows beyond an expert's count are TMA zero-fill and are never stored). Measured (job
+  moe-12): in the decode regime the 64-row MMA does not overlap the operand decode, so a swap-AB /
+  register-sourced variant is the next step there (the cuda decode kernel, swap-AB, is 1.5-1.7x
+  faster at <= 16 rows per expert and is the registry's choice there).
 * No split-K: GEMM1's SwiGLU needs the complete sum; GEMM2 runs whole-K per tile.
 """
 from __future__ import annotations
@@ -67,6 +69,9 @@ class GroupedGemmConfig:
         stages: TMA ring depth (activation + packed-weight tile per stage).
         e_cap: experts the on-chip schedule table holds (power of two >= E).
         ctas_per_sm: 1 or 2 (occupancy the registers / shared memory are budgeted for).
+        scale_tma: the weight scale bytes of each K block ride in the TMA stage (one 16-byte box per
+            weight row; needs ``K / SF % 16 == 0`` and a 16-byte aligned scale tensor), else the
+            consumers load them from global memory one K block ahead.
     """
 
     stage: int
@@ -76,6 +81,7 @@ class GroupedGemmConfig:
     stages: int
     e_cap: int
     ctas_per_sm: int = 1
+    scale_tma: bool = False
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -111,19 +117,20 @@ class GroupedGemmConfig:
         ``setmaxnreg.dec`` released, so ``(L - prod) * 128 >= (cons - L) * 128 * consumers`` must
         hold or the consumers block forever."""
         L = min(255, 65536 // self.ctas_per_sm // self.threads) // 8 * 8
-        prod = 72
+        prod = 40
         cons = min(232, (L * (1 + self.consumers) - prod) // self.consumers // 8 * 8)
         return prod, cons
 
     def key(self) -> tuple:
-        return (self.stage, self.act, self.fmt, self.tile_m, self.stages, self.e_cap, self.ctas_per_sm)
+        return (self.stage, self.act, self.fmt, self.tile_m, self.stages, self.e_cap, self.ctas_per_sm, self.scale_tma)
 
     def explain(self) -> str:
         what = "gemm1+swiglu" + ("+fp8 requant" if self.act == "fp8" else "") if self.stage == 1 else "gemm2"
         prec = ("fp8 wgmma, fp32 promotion per 128-K block" if self.act == "fp8" else "bf16 wgmma (exact weights)")
         hl = ", nvfp4 hi+lo e4m3 split" if self.parts == 2 else ""
         return (f"dsl {what} {self.act}/{self.fmt}: tile {self.tile_m}x{TILE_N}x{self.block_k}, "
-                f"{self.stages}-stage TMA ring + 2x decoded tile, {self.consumers} consumer wg, "
+                f"{self.stages}-stage TMA ring{' (+scales)' if self.scale_tma else ''} + 2x decoded tile, "
+                f"{self.consumers} consumer wg decoding their rows while the wgmma runs, "
                 f"{self.ctas_per_sm} cta/sm, {prec}{hl}")
 
 
@@ -135,8 +142,9 @@ def smem_bytes(cfg: GroupedGemmConfig, stages: Optional[int] = None) -> int:
     p_tile = TILE_N * cfg.block_k // 2
     d_tiles = 2 * 2 * cfg.parts * HALF_N * cfg.block_k * asz     # 2 slots x 2 halves x parts
     sched = 4 * (3 * cfg.e_cap + 4)
-    fixed = 16 * s + sched + 2 * 4 * 4 * TILE_N + 3 * 1024       # mbarriers, schedule, 4 colscale + rowbase
-    return fixed + s * (a_tile + p_tile) + d_tiles
+    fixed = 16 * s + sched + 2 * 2 * 4 * TILE_N + 3 * 1024       # mbarriers, schedule, 2 colscale + rowbase
+    s_tile = TILE_N * 16 if cfg.scale_tma else 0
+    return fixed + s * (a_tile + p_tile + s_tile) + d_tiles
 
 
 def max_stages(cfg: GroupedGemmConfig) -> int:
@@ -157,10 +165,11 @@ def choose(*, stage: int, act: str, fmt: str, R: int, E: int, N: int, K: int,
     """
     m = max_m if max_m is not None else -(-R // max(E, 1))
     tile_m = 64 if m <= 64 else 128
+    st = (K // (32 if fmt == "mxfp4" else 16)) % 16 == 0
     cps = 1
     if tile_m == 64:
-        two = GroupedGemmConfig(stage, act, fmt, 64, 3, e_cap_for(E), 2)
+        two = GroupedGemmConfig(stage, act, fmt, 64, 3, e_cap_for(E), 2, st)
         if smem_bytes(two) <= SMEM_PER_SM // 2 - 1024:
             cps = 2
-    cfg = GroupedGemmConfig(stage, act, fmt, tile_m, 2, e_cap_for(E), cps)
-    return GroupedGemmConfig(stage, act, fmt, tile_m, max_stages(cfg), e_cap_for(E), cps)
+    cfg = GroupedGemmConfig(stage, act, fmt, tile_m, 2, e_cap_for(E), cps, st)
+    return GroupedGemmConfig(stage, act, fmt, tile_m, max_stages(cfg), e_cap_for(E), cps, st)

@@ -15,18 +15,25 @@ Structure (one CTA per SM, persistent over work units = (token M-tile, 256-row w
   weight tile ``[256 rows, BK/2 bytes]`` into a ``stages``-deep ring guarded by
   ``PipelineTmaAsync`` mbarriers (``stages`` from the shared-memory capacity,
   :mod:`kernels_dsl.sm90.config`);
-* warpgroup 0, warps 1-3 = operand transform (:mod:`kernels_dsl.sm90.transform`): per unit a
-  row prologue (reference exponent of every weight row over its whole K, column multipliers),
-  per K block the decode of the packed E2M1 tile + UE8M0 / E4M3 scales into a double-buffered
-  128B-swizzled E4M3 / BF16 tile, handed to the consumers through named barriers (full: transform
-  ``bar.arrive`` after ``fence.proxy.async``, consumers ``bar.sync``; empty: the reverse);
-* 1-2 consumer warpgroups (``setmaxnreg.inc``), 64 token rows each: WGMMA ``m64n128`` per half of
-  the weight tile (two halves of 128 rows). W4A8: each 128-K block goes into a fresh fp32
-  accumulator which is then promoted, ``acc += partial * a_scale[row, kb]`` (DeepGEMM style; the
-  weight scales are folded per row into the decoded E4M3 bytes relative to the row's reference
-  exponent and applied once per column in the epilogue). NVFP4 under W4A8 adds a second WGMMA
-  per K step on the lo part of the hi + lo split. W4A16: BF16 WGMMA into the accumulator (exact
-  BF16 weights), no promotion.
+* warpgroup 0, warps 1-3 = row prologue, running up to two work units ahead of the consumers:
+  per unit the reference exponent of each of the 256 weight rows over its whole K and its column
+  multiplier (:func:`kernels_dsl.sm90.transform.row_prologue`) into a 2-deep shared ring, handed
+  over through named barriers (full: ``bar.arrive`` by the prologue warps, ``bar.sync`` by the
+  consumers; empty: the reverse, after the unit's epilogue);
+* 1-2 consumer warpgroups (``setmaxnreg.inc``), 64 token rows each, which also do the operand
+  transform: consumer warpgroup ``w`` decodes its ``256 / consumers`` weight rows of each K block
+  (packed E2M1 + UE8M0 / E4M3 scales, :func:`kernels_dsl.sm90.transform.decode_row_chunk`; 4 or 8
+  (row, 16-byte chunk) items per thread, scale bytes prefetched one K block ahead from global)
+  into a double-buffered 128B-swizzled E4M3 / BF16 tile. The decode of block ``k + 1`` runs while
+  the tensor core executes the asynchronous WGMMAs of block ``k`` (issue, decode, ``wgmma.wait``);
+  one ``fence.proxy.async`` + named barrier over the consumer warpgroups per K block publishes the
+  decoded tile (and frees the other slot). MMA: WGMMA ``m64n128`` per half of the weight tile
+  (two halves of 128 rows). W4A8: each 128-K block goes into a fresh fp32 accumulator which is
+  then promoted, ``acc += partial * a_scale[row, kb]`` (DeepGEMM style; the weight scales are
+  folded per row into the decoded E4M3 bytes relative to the row's reference exponent and applied
+  once per column in the epilogue). NVFP4 under W4A8 adds a second WGMMA per K step on the lo
+  part of the hi + lo split. W4A16: BF16 WGMMA into the accumulator (exact BF16 weights), no
+  promotion.
 * epilogue per tile: GEMM1 ``gate = bf16(acc * col_scale)``, ``up`` likewise (the prepared W13
   tile pairs gate / up columns inside one thread), ``h = bf16(silu(min(gate, 10)) *
   clamp(up, -10, 10) * route_w)``; FP8: per (row, 128 h columns) amax over the lane quad,
@@ -34,24 +41,25 @@ Structure (one CTA per SM, persistent over work units = (token M-tile, 256-row w
   acc * col_scale`` (fp32). Rows past an expert's count are never stored.
 
 Registers: the launch gives 168 per thread (384 threads); ``setmaxnreg.inc`` only hands out what
-``.dec`` released, so warpgroup 0 runs at 72 and the consumers at 216 (72 + 2 x 216 = 504 <= 3 x
-168; a larger consumer target deadlocks at launch, seen on the H200 in job moegemm-02).
+``.dec`` released, so warpgroup 0 runs at 40 and the consumers at 232 (40 + 2 x 232 = 504 = 3 x
+168, DeepGEMM's split; a larger total deadlocks at launch, seen on the H200 in job moegemm-02).
 
 Precision contract (tests/test_moe.py, tests/test_moe_decode.py): W4A8 GEMM2 relative
 (Frobenius) error vs the exact-dequant fp32 reference on the same FP8 ``h`` <= 5e-3, NVFP4
-included; W4A16 <= 1e-5. Measured on the H200 (job moegemm-03, 9 experts x D 512 x I 256,
-contiguous + masked, both token tiles): W4A8 1.1e-4 (MXFP4) / 1.9e-4 (NVFP4), W4A16 1.9e-7 /
-2.3e-7; ``h_s`` equal to the reference's on every row. Weight-scale folding bounds:
+included; W4A16 <= 1e-5. Measured on the H200 (jobs moe-11, moe-12: 9 experts, D 512 / 1024, I 256 /
+512, contiguous + masked, both token tiles, capped grids, both scale paths): W4A8 1.1e-4 (MXFP4) /
+1.9e-4 (NVFP4), W4A16 5.2e-7 / 5.7e-7; ``h_s`` equal to the reference's on >= 99.99% of rows. Weight-scale folding bounds:
 :mod:`kernels_dsl.sm90.transform`.
 
-Performance (job moegemm-03, DSV4-Flash MXFP4 W4A8, GEMM1 + GEMM2, CUDA-graph replay): T=4
-349 us (20% of copy BW on the active experts' weights), T=64 5.1 ms (12%), T=4096 8.7 ms (142
-TFLOP/s): about 3-6 us per K block per CTA whatever the work, i.e. bound by the 3-warp transform
-(11 serialized (row, chunk) items per thread per K block, each a dependent chain of shared /
-global loads and ~40 instructions) and by the per-unit row prologue (its scale-byte loads are
-latency-serialized per row). Not the registry default (the cuda kernels are faster); next:
-the decode on more warps with interleaved items, per-row reference exponents precomputed once
-per weight tensor.
+Performance (DSV4-Flash MXFP4 W4A8, GEMM1 + GEMM2, CUDA-graph replay, H200; docs/benchmarks.md):
+job moe-12 T=4096 2924 us (423 TFLOP/s, 1.29x moe.cu v4), T=16384 9749 us (508 TFLOP/s), T=4 masked
+281 us (26% of copy BW on the active experts' weights), T=64 2038 us (30%); the previous structure
+(3 transform warps) took 8728 / 27280 / 349 / 5089 us (moegemm-03). Limiter (moe-12 GEMM2
+diagnostics): the decode of block k + 1 and the WGMMAs of block k still largely serialize (each ~155
+us of 1001 alone, ~500 together). Reading (not profiled): shared-memory bandwidth -- per 128 x 256
+x 128 K block the WGMMAs read 96 KB (A per half, B per warpgroup), the decode moves 48 KB and the TMA
+writes 36 KB, ~1400 cycles at 128 B/clk against 1024 for the MMA. Next: register-sourced WGMMA
+(swap-AB, decoded weights straight into the A fragments) so decoded weights never touch smem.
 
 Constraints (checked by the host wrapper, :mod:`kernels_dsl.moe`): ``K % BK == 0`` (128 FP8 /
 64 BF16), ``N % 256 == 0``, ``K / SF % 4 == 0``, contiguous row-major tensors, 16-byte aligned
@@ -72,21 +80,24 @@ try:
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
     from .epilogue import epilogue_gemm1, epilogue_gemm2, promote
-    from .ptx import ld_global_nc_f32, ld_global_nc_u8, ld_global_nc_u16, ld_shared_b32, st_shared_b32
+    from .ptx import ld_global_nc_f32, ld_shared_b32, st_shared_b32
     from .scheduler import build_schedule, sched_words, unit_lookup
-    from .transform import HALF_TILE_BYTES, decode_row_chunk, decoded_offset, row_prologue
+    from .transform import (HALF_TILE_BYTES, decode_row_chunk, decoded_offset, ld_nc_u8, ld_nc_u16, row_prologue,
+                            row_prologue_v4)
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
 
 __all__ = ["Fp4GroupedGemmKernel"]
 
-#: named barriers: decoded slot d full (transform -> consumers) / empty (consumers -> transform)
-BAR_FULL = 1
-BAR_EMPTY = 3
-#: transform threads (warps 1-3 of warpgroup 0) and the (row, chunk) items each decodes per K block
-TRANSFORM_THREADS = 96
-ITEMS = -(-TILE_N * 4 // TRANSFORM_THREADS)
+#: named barriers: decoded K block complete (all consumer warpgroups); row-prologue buffer b full
+#: (prologue warps -> consumers) / empty (consumers -> prologue warps)
+BAR_K = 1
+BAR_PFULL = 2
+BAR_PEMPTY = 4
+#: row-prologue threads (warps 1-3 of warpgroup 0) and the (row, lane) items each handles per unit
+PROLOGUE_THREADS = 96
+ITEMS = -(-TILE_N * 4 // PROLOGUE_THREADS)
 
 
 if _HAVE_DSL:
@@ -121,10 +132,14 @@ if _HAVE_DSL:
             self.tile_m = cfg.tile_m
             self.dtype = Float8E4M3FN if self.fp8 else BFloat16
             self.rows_wg = TILE_N // self.nc                  # weight rows decoded per consumer wg
-            self.nj = self.rows_wg // 32                      # rows per thread
+            self.ni = self.rows_wg // 32                      # (row, chunk) items per thread per K block
             self.threads = cfg.threads
             # scale bytes of one thread's chunk per K block: MXFP4 1/32, NVFP4 1/16 values
             self.sf = cfg.sf
+            #: scale bytes per row per K block, and K blocks per 16-byte scale box (scale_tma)
+            self.spk = self.bk // self.sf
+            self.q = 16 // self.spk
+            self.scale_tma = cfg.scale_tma
             #: diagnostics only (wrong results): bit 1 no epilogue stores, 2 no transform global loads,
             #: 4 no activation-scale loads, 8 no decode smem traffic, 16 no WGMMA
             self.debug = debug
@@ -148,27 +163,34 @@ if _HAVE_DSL:
             tma_b, tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                     cute.make_layout((TILE_N, self.pb), stride=(self.pb, 1)),
                                                     (TILE_N, self.pb))
+            # scale bytes: one 16-byte box per weight row per K block (the block's bytes first)
+            sS_l = cute.make_layout((TILE_N, 16, self.stages), stride=(16, 1, TILE_N * 16))
+            tma_s, tS = tma_b, tB
+            if cutlass.const_expr(self.scale_tma):
+                tma_s, tS = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mWs,
+                                                        cute.make_layout((TILE_N, 16), stride=(16, 1)), (TILE_N, 16))
 
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
                 sched: cute.struct.MemRange[Int32, sched_words(self.cfg.e_cap)]
-                colscale: cute.struct.MemRange[Float32, 4 * TILE_N]
-                rowbase: cute.struct.MemRange[Int32, 4 * TILE_N]
+                colscale: cute.struct.MemRange[Float32, 2 * TILE_N]
+                rowbase: cute.struct.MemRange[Int32, 2 * TILE_N]
                 sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sA_l)], 1024]
                 sP: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(sP_l)], 1024]
                 sD: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sD_l)], 1024]
+                sS: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(sS_l) if self.scale_tma else 16], 128]
 
             self.shared_storage = SharedStorage
-            self.kernel(tma_a, tA, tma_b, tB, mAs, mWs, mG, mRS, mRC, mRW, mOut, mOutS, n_w, tiled_mma,
-                        sA_l, sD_l, sP_l).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            self.kernel(tma_a, tA, tma_b, tB, tma_s, tS, mAs, mWs, mG, mRS, mRC, mRW, mOut, mOutS, n_w, tiled_mma,
+                        sA_l, sD_l, sP_l, sS_l).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
                                                  min_blocks_per_mp=self.cfg.ctas_per_sm)
 
         @cute.kernel
         def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mW: cute.Tensor,
-                   mAs: cute.Tensor, mWs: cute.Tensor, mG: cute.Tensor, mRS: cute.Tensor, mRC: cute.Tensor,
+                   tma_s: cute.CopyAtom, mSt: cute.Tensor, mAs: cute.Tensor, mWs: cute.Tensor, mG: cute.Tensor, mRS: cute.Tensor, mRC: cute.Tensor,
                    mRW: cute.Tensor, mOut: cute.Tensor, mOutS: cute.Tensor, n_w: Int32, tiled_mma: cute.TiledMma,
-                   sA_l: cute.ComposedLayout, sD_l: cute.ComposedLayout, sP_l: cute.Layout):
+                   sA_l: cute.ComposedLayout, sD_l: cute.ComposedLayout, sP_l: cute.Layout, sS_l: cute.Layout):
             cfg = self.cfg
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -178,9 +200,11 @@ if _HAVE_DSL:
             if warp == 0:
                 cpasync.prefetch_descriptor(tma_a)
                 cpasync.prefetch_descriptor(tma_b)
+                if cutlass.const_expr(self.scale_tma):
+                    cpasync.prefetch_descriptor(tma_s)
             storage = SmemAllocator().allocate(self.shared_storage)
             tx_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(sA_l, (None, None, 0)))
-                        + TILE_N * self.pb)
+                        + TILE_N * self.pb + (TILE_N * 16 if self.scale_tma else 0))
             pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -202,6 +226,7 @@ if _HAVE_DSL:
             sA = storage.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
             sP = storage.sP.get_tensor(sP_l)
             sD = storage.sD.get_tensor(sD_l.outer, swizzle=sD_l.inner)
+            sS = storage.sS.get_tensor(sS_l) if self.scale_tma else None
 
             if wg == 0:
                 cute.arch.setmaxregister_decrease(cfg.regs[0])
@@ -217,21 +242,27 @@ if _HAVE_DSL:
                         gB = cute.local_tile(mW, (TILE_N, self.pb), (e * NT + nt, None))
                         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                                            cute.group_modes(sP, 0, 2), cute.group_modes(gB, 0, 2))
+                        tSsS, tSgS = tBsB, tBgB
+                        if cutlass.const_expr(self.scale_tma):
+                            gS = cute.local_tile(mSt, (TILE_N, 16), (e * NT + nt, None))
+                            tSsS, tSgS = cpasync.tma_partition(tma_s, 0, cute.make_layout(1),
+                                                               cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
                         for k in cutlass.range(KB, unroll=1):
                             pipe.producer_acquire(ps)
                             bar = pipe.producer_get_barrier(ps)
                             cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, ps.index)], tma_bar_ptr=bar)
                             cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, ps.index)], tma_bar_ptr=bar)
+                            if cutlass.const_expr(self.scale_tma):
+                                cute.copy(tma_s, tSgS[(None, k // self.q)], tSsS[(None, ps.index)], tma_bar_ptr=bar)
                             pipe.producer_commit(ps)
                             ps.advance()
                     pipe.producer_tail(ps)
                 else:
-                    # ------------------------------ transform (warps 1-3) ------------------------------
-                    self._transform(pipe, sSched, n_my, bidx, gdim, NT, E, KB, K, n_w, mWs, mG,
-                                    storage.sP.data_ptr().toint(), storage.sD.data_ptr().toint(),
-                                    storage.colscale.data_ptr().toint(), storage.rowbase.data_ptr().toint(), tidx - 32)
+                    # ------------------------------ row prologue (warps 1-3) ---------------------------
+                    self._prologue(sSched, n_my, bidx, gdim, NT, E, K, n_w, mWs, mG,
+                                   storage.colscale.data_ptr().toint(), storage.rowbase.data_ptr().toint(), tidx - 32)
             else:
-                # ------------------------------ consumers: WGMMA + promotion + epilogue ------------------
+                # ------------------- consumers: operand decode + WGMMA + promotion + epilogue -------------
                 cute.arch.setmaxregister_increase(cfg.regs[1])
                 ct = tidx - 128
                 cw = ct // 128
@@ -248,64 +279,113 @@ if _HAVE_DSL:
                 part = cute.make_rmem_tensor(c_shape, Float32)
                 n_kk = cute.size(tCrA, mode=[2])
                 cs_addr = storage.colscale.data_ptr().toint()
+                rb_addr = storage.rowbase.data_ptr().toint()
+                sP_addr = storage.sP.data_ptr().toint()
+                sD_addr = storage.sD.data_ptr().toint()
+                sS_addr = storage.sS.data_ptr().toint()
                 as_base = mAs.iterator.toint()
+                ws_base = mWs.iterator.toint()
                 KB128 = K // 128
+                KSF = K // self.sf
                 r_first = cw * 64 + wq * 16 + lane // 4        # accumulator rows r_first, r_first + 8
-                nbar = TRANSFORM_THREADS + 128 * self.nc
-                cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                row_l0 = cw * self.rows_wg + t // 4            # first decoded weight row (items: + 32 j)
+                src0 = sP_addr + row_l0 * self.pb + c * (self.pb // 4)
+                ss0 = sS_addr + row_l0 * 16
+                doff_a = decoded_offset(t // 4, 2 * c)
+                doff_b = decoded_offset(t // 4, 2 * c + 1)
+                nbar_p = PROLOGUE_THREADS + 128 * self.nc
+                nbar_k = 128 * self.nc
+                NI = self.ni
+                rbr = cute.make_rmem_tensor((NI,), Int32)
+                scv = cute.make_rmem_tensor((NI,), Uint32)
+                cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)   # MMA / release
+                rs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)   # decode / wait
                 g = Int32(0)
                 for ui in cutlass.range(n_my, unroll=1):
                     u = bidx + ui * gdim
                     e, nt, row0, nrows = unit_lookup(u, NT, sSched, E, self.tile_m, cfg.e_cap)
-                    acc0.fill(0.0)
-                    acc1.fill(0.0)
+                    b = ui % 2
+                    wrow0 = e * n_w + nt * TILE_N
+                    ws_t = ws_base + Int64(wrow0 + row_l0) * KSF
                     ra0 = Int64(cutlass.min(row0 + r_first, R - 1)) * KB128
                     ra1 = Int64(cutlass.min(row0 + r_first + 8, R - 1)) * KB128
+                    for j in cutlass.range_constexpr(NI):
+                        scv[j] = Uint32(127)
+                        if cutlass.const_expr(not (self.debug & 2) and not self.scale_tma):
+                            scv[j] = self._scale_load(ws_t + Int64(j * 32) * KSF, Int32(0), c)
+                    # the row prologue of this unit (reference exponents, column multipliers) is ready
+                    cute.arch.barrier(barrier_id=BAR_PFULL + b, number_of_threads=nbar_p)
+                    for j in cutlass.range_constexpr(NI):
+                        rbr[j] = Int32(ld_shared_b32(rb_addr + b * (TILE_N * 4) + (row_l0 + 32 * j) * 4))
+                    acc0.fill(0.0)
+                    acc1.fill(0.0)
+                    # K block 0 of the unit: decode into slot g % 2 (not overlapped)
+                    pipe.consumer_wait(rs)
+                    self._decode(0, NI, rs.index, g % 2, Int32(0), KB, src0, ss0, sD_addr, doff_a, doff_b, cw, ws_t, KSF,
+                                 c, rbr, scv)
+                    rs.advance()
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=BAR_K, number_of_threads=nbar_k)
                     for k in cutlass.range(KB, unroll=1):
                         ds = g % 2
+                        more = k + 1 < KB
                         sa0 = Float32(1.0)
                         sa1 = Float32(1.0)
                         if cutlass.const_expr(self.fp8 and not (self.debug & 4)):
                             sa0 = ld_global_nc_f32(as_base + (ra0 + k) * 4)
                             sa1 = ld_global_nc_f32(as_base + (ra1 + k) * 4)
-                        pipe.consumer_wait(cs)
-                        cute.arch.barrier(barrier_id=BAR_FULL + ds, number_of_threads=nbar)
-                        for h in cutlass.range_constexpr(2):
-                            sub = (ds * 2 + h) * self.parts
-                            warpgroup.fence()
-                            if cutlass.const_expr(self.debug & 16):
-                                pass
-                            elif cutlass.const_expr(self.fp8):
-                                for kk in cutlass.range_constexpr(n_kk):
-                                    for p in cutlass.range_constexpr(self.parts):
-                                        tiled_mma.set(warpgroup.Field.ACCUMULATE, kk + p > 0)
-                                        cute.gemm(tiled_mma, part, tCrA[(None, None, kk, cs.index)],
-                                                  tCrB[(None, None, kk, sub + p)], part)
+                        if cutlass.const_expr(self.fp8):
+                            for h in cutlass.range_constexpr(2):
+                                sub = (ds * 2 + h) * self.parts
+                                warpgroup.fence()
+                                if cutlass.const_expr(not (self.debug & 16)):
+                                    for kk in cutlass.range_constexpr(n_kk):
+                                        for p in cutlass.range_constexpr(self.parts):
+                                            tiled_mma.set(warpgroup.Field.ACCUMULATE, kk + p > 0)
+                                            cute.gemm(tiled_mma, part, tCrA[(None, None, kk, cs.index)],
+                                                      tCrB[(None, None, kk, sub + p)], part)
                                 warpgroup.commit_group()
+                                # while the tensor core works: decode half of the next K block's items
+                                # (unconditionally: after the last block it decodes don't-care bytes into
+                                # the free slot, which keeps the scale prefetch out of a branch)
+                                if cutlass.const_expr(h == 0):
+                                    if more:
+                                        pipe.consumer_wait(rs)
+                                self._decode(h * (NI // 2), (h + 1) * (NI // 2), rs.index, 1 - ds, k + 1, KB,
+                                             src0, ss0, sD_addr, doff_a, doff_b, cw, ws_t, KSF, c, rbr, scv)
                                 warpgroup.wait_group(0)
                                 if cutlass.const_expr(h == 0):
                                     promote(acc0, part, sa0, sa1)
                                 else:
                                     promote(acc1, part, sa0, sa1)
-                            else:
-                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                                for kk in cutlass.range_constexpr(n_kk):
-                                    if cutlass.const_expr(h == 0):
-                                        cute.gemm(tiled_mma, acc0, tCrA[(None, None, kk, cs.index)],
-                                                  tCrB[(None, None, kk, sub)], acc0)
-                                    else:
-                                        cute.gemm(tiled_mma, acc1, tCrA[(None, None, kk, cs.index)],
-                                                  tCrB[(None, None, kk, sub)], acc1)
-                                warpgroup.commit_group()
-                        if cutlass.const_expr(not self.fp8 and not (self.debug & 16)):
+                        else:
+                            warpgroup.fence()
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            if cutlass.const_expr(not (self.debug & 16)):
+                                for h in cutlass.range_constexpr(2):
+                                    for kk in cutlass.range_constexpr(n_kk):
+                                        if cutlass.const_expr(h == 0):
+                                            cute.gemm(tiled_mma, acc0, tCrA[(None, None, kk, cs.index)],
+                                                      tCrB[(None, None, kk, ds * 2)], acc0)
+                                        else:
+                                            cute.gemm(tiled_mma, acc1, tCrA[(None, None, kk, cs.index)],
+                                                      tCrB[(None, None, kk, ds * 2 + 1)], acc1)
+                            warpgroup.commit_group()
+                            if more:
+                                pipe.consumer_wait(rs)
+                            self._decode(0, NI, rs.index, 1 - ds, k + 1, KB, src0, ss0, sD_addr, doff_a, doff_b, cw,
+                                         ws_t, KSF, c, rbr, scv)
                             warpgroup.wait_group(0)
-                        # the decoded slot and the TMA slot are free again
-                        cute.arch.barrier_arrive(barrier_id=BAR_EMPTY + ds, number_of_threads=nbar)
+                        # the activation tile of block k (and its packed weights, decoded before) are free
                         pipe.consumer_release(cs)
                         cs.advance()
+                        if more:
+                            rs.advance()
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier(barrier_id=BAR_K, number_of_threads=nbar_k)
                         g = g + 1
                     # ---- epilogue of unit ui ----
-                    csu = cs_addr + (ui % 4) * (TILE_N * 4)
+                    csu = cs_addr + b * (TILE_N * 4)
                     if cutlass.const_expr(self.debug & 1):
                         pass
                     elif cutlass.const_expr(cfg.stage == 1):
@@ -313,35 +393,70 @@ if _HAVE_DSL:
                                        n_w // 2, self.fp8)
                     else:
                         epilogue_gemm2(acc0, acc1, csu, mOut, row0, nrows, r_first, nt, c, n_w)
+                    # prologue buffer b may be refilled (unit ui + 2)
+                    cute.arch.barrier_arrive(barrier_id=BAR_PEMPTY + b, number_of_threads=nbar_p)
 
-        # ---------------------------------------------------------------- transform warps
+        # ---------------------------------------------------------------- consumer decode
         @cute.jit
-        def _transform(self, pipe, sSched: cute.Tensor, n_my: Int32, bidx: Int32, gdim: Int32, NT: Int32, E: Int32,
-                       KB: Int32, K: Int32, n_w: Int32, mWs: cute.Tensor, mG: cute.Tensor, sP_addr: Int32,
-                       sD_addr: Int32, cs_addr: Int32, rb_addr: Int32, tt: Int32):
-            """Warps 1-3 (``tt`` = 0..95): per work unit the row prologue (reference exponents,
-            column multipliers into the unit's colscale buffer), then per K block: wait for the TMA
-            slot, wait until the consumers released decoded slot ``g % 2``, decode the 256 x BK
-            packed tile (items ``i = tt + 96 j``: row ``i // 4``, chunk ``i % 4``), publish it."""
+        def _decode(self, j0: cutlass.Constexpr[int], j1: cutlass.Constexpr[int], slot: Int32, ds: Int32, k: Int32,
+                    KB: Int32, src0: Int32, ss0: Int32, dst0: Int32, doff_a: Int32, doff_b: Int32, cw: Int32,
+                    ws_t: Int64, KSF: Int32, c: Int32, rbr: cute.Tensor, scv: cute.Tensor):
+            """Decode items ``j0 <= j < j1`` of this thread of K block ``k`` from TMA stage ``slot`` into
+            decoded slot ``ds``, and prefetch their scale byte(s) of block ``k + 1``. Item ``j``: weight
+            row ``cw * rows_wg + t // 4 + 32 j`` (half ``hf``, row ``t // 4 + 32 (j % 4)`` in the half),
+            chunk ``c``; ``src0`` / ``dst0`` / ``doff_*`` / ``ws_t``: the thread's item-0 addresses."""
+            sbo = Int32(0)
+            if cutlass.const_expr(self.scale_tma):
+                sbo = (k % self.q) * self.spk + self._scale_sub(c)     # byte of the thread's chunk in the box
+            for j in cutlass.range_constexpr(j0, j1):
+                sc = scv[j]
+                if cutlass.const_expr(self.scale_tma):
+                    # the block's scale bytes came with its TMA stage
+                    wv = ld_shared_b32(ss0 + slot * (TILE_N * 16) + (32 * j) * 16 + (sbo & ~3))
+                    sc = (wv >> Uint32(8 * (sbo & 3))) & Uint32(0xFFFF if (self.fp8 and self.nvfp4) else 0xFF)
+                elif cutlass.const_expr(not (self.debug & 2)):
+                    # unpredicated (the last block re-reads itself): a predicated load into the
+                    # loop-carried register made ptxas copy it back at the loop end, i.e. wait for it
+                    scv[j] = self._scale_load(ws_t + Int64(j * 32) * KSF, cutlass.min(k + 1, KB - 1), c)
+                src = src0 + slot * (TILE_N * self.pb) + (32 * j) * self.pb
+                hf = cw
+                if cutlass.const_expr(self.nc == 1):
+                    hf = Int32(j // 4)
+                base = dst0 + ((ds * 2 + hf) * self.parts) * HALF_TILE_BYTES + 4096 * (j % 4)
+                if cutlass.const_expr(not (self.debug & 8)):
+                    decode_row_chunk(src, base + doff_a, base + doff_b, HALF_TILE_BYTES, sc, rbr[j], self.fp8,
+                                     self.nvfp4)
+
+        # ---------------------------------------------------------------- row-prologue warps
+        @cute.jit
+        def _prologue(self, sSched: cute.Tensor, n_my: Int32, bidx: Int32, gdim: Int32, NT: Int32, E: Int32,
+                      K: Int32, n_w: Int32, mWs: cute.Tensor, mG: cute.Tensor, cs_addr: Int32, rb_addr: Int32,
+                      tt: Int32):
+            """Warps 1-3 (``tt`` = 0..95), running up to two work units ahead of the consumers: per
+            unit the reference exponent of each of the 256 weight rows over the whole K and its
+            column multiplier (items ``i = tt + 96 j``: row ``i // 4``, lane ``i % 4`` of the row's
+            quad) into buffer ``ui % 2``, published with a named barrier (full); buffer reuse waits
+            for the consumers' release after the unit's epilogue (empty)."""
             cfg = self.cfg
             c = tt % 4
-            nbar = TRANSFORM_THREADS + 128 * self.nc
+            nbar_p = PROLOGUE_THREADS + 128 * self.nc
             ws_base = mWs.iterator.toint()
             g_base = mG.iterator.toint()
             ng = mG.shape[1]
             KSF = K // self.sf
-            scv = cute.make_rmem_tensor((ITEMS,), Uint32)
-            rs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            g = Int32(0)
+            # 16-byte scale loads when every row starts 16-byte aligned (the DSV4 shapes)
+            v4 = ((KSF % 16) == 0) & ((Int32(ws_base % 16)) == 0)
             for ui in cutlass.range(n_my, unroll=1):
                 u = bidx + ui * gdim
                 e, nt, _row0, _nrows = unit_lookup(u, NT, sSched, E, self.tile_m, cfg.e_cap)
+                b = ui % 2
                 wrow0 = e * n_w + nt * TILE_N
-                csu = cs_addr + (ui % 4) * (TILE_N * 4)
-                rbu = rb_addr + (ui % 4) * (TILE_N * 4)
-                # -- row prologue: reference exponent per row (quad max over the row's scale bytes)
+                csu = cs_addr + b * (TILE_N * 4)
+                rbu = rb_addr + b * (TILE_N * 4)
+                if ui >= 2:
+                    cute.arch.barrier(barrier_id=BAR_PEMPTY + b, number_of_threads=nbar_p)
                 for j in cutlass.range_constexpr(ITEMS):
-                    i = tt + TRANSFORM_THREADS * j
+                    i = tt + PROLOGUE_THREADS * j
                     if i < TILE_N * 4:
                         rl = i // 4
                         gi = Int32(0)
@@ -350,47 +465,29 @@ if _HAVE_DSL:
                         rbv = Int32(127)
                         if cutlass.const_expr(not (self.debug & 2)):
                             gv = ld_global_nc_f32(g_base + (Int64(e) * ng + gi) * 4)
-                            rbv = row_prologue(ws_base + Int64(wrow0 + rl) * KSF, KSF, c, gv, self.fp8,
-                                               self.nvfp4, csu + rl * 4)
+                            if v4:
+                                rbv = row_prologue_v4(ws_base + Int64(wrow0 + rl) * KSF, KSF, c, gv, self.fp8,
+                                                      self.nvfp4, csu + rl * 4)
+                            else:
+                                rbv = row_prologue(ws_base + Int64(wrow0 + rl) * KSF, KSF, c, gv, self.fp8,
+                                                   self.nvfp4, csu + rl * 4)
                         if c == 0:
                             st_shared_b32(rbu + rl * 4, Uint32(rbv))
-                cute.arch.sync_warp()
-                for j in cutlass.range_constexpr(ITEMS):
-                    i = tt + TRANSFORM_THREADS * j
-                    scv[j] = Uint32(127)
-                    if cutlass.const_expr(not (self.debug & 2)):
-                        if i < TILE_N * 4:
-                            scv[j] = self._scale_load(ws_base + Int64(wrow0 + i // 4) * KSF, Int32(0), c)
-                for k in cutlass.range(KB, unroll=1):
-                    ds = g % 2
-                    pipe.consumer_wait(rs)
-                    if g >= 2:
-                        cute.arch.barrier(barrier_id=BAR_EMPTY + ds, number_of_threads=nbar)
-                    slot = rs.index
-                    for j in cutlass.range_constexpr(ITEMS):
-                        i = tt + TRANSFORM_THREADS * j
-                        if i < TILE_N * 4:
-                            rl = i // 4
-                            sc = scv[j]
-                            if cutlass.const_expr(not (self.debug & 2)):
-                                if k + 1 < KB:   # prefetch the next K block's scale bytes
-                                    scv[j] = self._scale_load(ws_base + Int64(wrow0 + rl) * KSF, k + 1, c)
-                            src = sP_addr + slot * (TILE_N * self.pb) + rl * self.pb + c * (self.pb // 4)
-                            hf = rl // HALF_N
-                            n = rl % HALF_N
-                            base = sD_addr + ((ds * 2 + hf) * self.parts) * HALF_TILE_BYTES
-                            if cutlass.const_expr(not (self.debug & 8)):
-                                rbv = Int32(ld_shared_b32(rbu + rl * 4))
-                                decode_row_chunk(src, base + decoded_offset(n, 2 * c), base + decoded_offset(n, 2 * c + 1),
-                                                 HALF_TILE_BYTES, sc, rbv, self.fp8, self.nvfp4)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier_arrive(barrier_id=BAR_FULL + ds, number_of_threads=nbar)
-                    rs.advance()
-                    g = g + 1
-            # balance the consumers' last two EMPTY arrivals (no named barrier is left half-arrived)
-            for d in cutlass.range_constexpr(2):
-                if g >= 2 - d:
-                    cute.arch.barrier(barrier_id=BAR_EMPTY + (g - 2 + d) % 2, number_of_threads=nbar)
+                cute.arch.barrier_arrive(barrier_id=BAR_PFULL + b, number_of_threads=nbar_p)
+            # balance the consumers' last two empty arrivals (no named barrier is left half-arrived)
+            for b in cutlass.range_constexpr(2):
+                if n_my > b:
+                    cute.arch.barrier(barrier_id=BAR_PEMPTY + b, number_of_threads=nbar_p)
+
+        @cute.jit
+        def _scale_sub(self, c: Int32):
+            """Byte offset of chunk ``c``'s scale byte(s) inside one K block's scale bytes."""
+            r = c
+            if cutlass.const_expr(self.fp8 and self.nvfp4):
+                r = 2 * c
+            elif cutlass.const_expr(not self.fp8 and not self.nvfp4):
+                r = c // 2
+            return r
 
         @cute.jit
         def _scale_load(self, ws_row: Int64, k: Int32, c: Int32):
@@ -398,14 +495,14 @@ if _HAVE_DSL:
             v = Uint32(0)
             if cutlass.const_expr(self.fp8):
                 if cutlass.const_expr(self.nvfp4):
-                    v = ld_global_nc_u16(ws_row + k * 8 + 2 * c)
+                    v = ld_nc_u16(ws_row + k * 8 + 2 * c)
                 else:
-                    v = ld_global_nc_u8(ws_row + k * 4 + c)
+                    v = ld_nc_u8(ws_row + k * 4 + c)
             else:
                 if cutlass.const_expr(self.nvfp4):
-                    v = ld_global_nc_u8(ws_row + k * 4 + c)
+                    v = ld_nc_u8(ws_row + k * 4 + c)
                 else:
-                    v = ld_global_nc_u8(ws_row + k * 2 + c // 2)
+                    v = ld_nc_u8(ws_row + k * 2 + c // 2)
             return v
 
 
@@ -425,7 +522,8 @@ def fake_args(cfg: GroupedGemmConfig):
     a_s = t2(Float32, 0, 0, 4)
     w = make_fake_compact_tensor(Uint8, (sym(divisibility=TILE_N), sym(divisibility=bk // 2)), stride_order=(1, 0),
                                  assumed_align=16)
-    ws = t2(Uint8, 0, 0, 4, 4)
+    ws = (make_fake_compact_tensor(Uint8, (sym(), sym(divisibility=16)), stride_order=(1, 0), assumed_align=16)
+          if cfg.scale_tma else t2(Uint8, 0, 0, 4, 4))
     g = make_fake_compact_tensor(Float32, (sym(), 2 if cfg.stage == 1 else 1), stride_order=(1, 0), assumed_align=4)
     rs = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
     rc = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)

@@ -42,7 +42,8 @@ try:
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
 
-__all__ = ["decoded_offset", "row_prologue", "decode_row_chunk", "HALF_TILE_BYTES"]
+__all__ = ["decoded_offset", "row_prologue", "row_prologue_v4", "decode_row_chunk", "ld_nc_u8", "ld_nc_u16",
+           "HALF_TILE_BYTES"]
 
 #: bytes of one decoded 128-row half tile (128 x 128 E4M3 or 128 x 64 BF16)
 HALF_TILE_BYTES = 16384
@@ -55,6 +56,34 @@ if _HAVE_DSL:
                                       "max.u16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False,
                                       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
+    @dsl_user_op
+    def _ld_global_nc_v4(addr, *, loc=None, ip=None):
+        """``ld.global.nc.v4.b32`` at a 16-byte aligned 64-bit address -> 4 Uint32."""
+        r = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
+                            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", has_side_effects=True,
+                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4))
+
+    @dsl_user_op
+    def ld_nc_u8(addr, *, loc=None, ip=None):
+        """``ld.global.nc.u8`` straight into a 32-bit register (zero-extended by the load itself: no
+        dependent ``cvt`` right behind the load, which would wait for it and defeat a prefetch)."""
+        return Uint32(llvm.inline_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u8 $0, [$1];",
+                                      "=r,l", has_side_effects=True, is_align_stack=False,
+                                      asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def ld_nc_u16(addr, *, loc=None, ip=None):
+        """``ld.global.nc.u16`` (2-byte aligned) straight into a 32-bit register (see :func:`ld_nc_u8`)."""
+        return Uint32(llvm.inline_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u16 $0, [$1];",
+                                      "=r,l", has_side_effects=True, is_align_stack=False,
+                                      asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    @cute.jit
+    def _bytemax_words(m2: Uint32, w: Uint32):
+        """Running per-16-bit-lane max of the bytes of ``w`` (two ``max.u16x2``)."""
+        return _max_u16x2(m2, _max_u16x2(w & Uint32(0x00FF00FF), (w >> 8) & Uint32(0x00FF00FF)))
+
     @cute.jit
     def decoded_offset(n: Int32, q: Int32):
         """Byte offset of 16-byte chunk ``q`` of row ``n`` inside a 128-row half tile."""
@@ -62,20 +91,13 @@ if _HAVE_DSL:
         return (n >> 3) * 1024 + r8 * 128 + ((q ^ r8) << 4)
 
     @cute.jit
-    def row_prologue(ws_row: Int64, nsb: Int32, c: Int32, g: Float32, fp8: cutlass.Constexpr[bool],
-                     nvfp4: cutlass.Constexpr[bool], colscale_addr: Int32):
-        """Reference exponent of one weight row over its whole K (all 4 lanes of the row's quad
-        call this; lane ``c`` reads scale words ``c, c + 4, ...`` of the ``nsb`` scale bytes at
-        ``ws_row``); returns it (Int32: MXFP4 the max UE8M0 byte, NVFP4 ``base``; W4A16: 0) to every
-        lane of the quad and lane 0 writes the column multiplier (fp32) to ``colscale_addr``."""
+    def _row_reference(m2: Uint32, g: Float32, fp8: cutlass.Constexpr[bool], nvfp4: cutlass.Constexpr[bool],
+                       c: Int32, colscale_addr: Int32):
+        """Quad-reduce the running byte max ``m2`` of a row's scale bytes into its reference
+        (MXFP4: the max UE8M0 byte; NVFP4: ``base``; W4A16: 0) and write the column multiplier."""
         cs = g
         rb = Int32(0)
         if cutlass.const_expr(fp8):
-            m2 = Uint32(0)
-            nw = nsb // 4
-            for i in cutlass.range(c, nw, 4, unroll=4):
-                w = ld_global_nc_b32(ws_row + Int64(i) * 4)
-                m2 = _max_u16x2(m2, _max_u16x2(w & Uint32(0x00FF00FF), (w >> 8) & Uint32(0x00FF00FF)))
             m = cutlass.max(m2 & Uint32(0xFFFF), m2 >> 16)
             m = cutlass.max(m, Uint32(cute.arch.shuffle_sync_bfly(Int32(m), 1)))
             m = cutlass.max(m, Uint32(cute.arch.shuffle_sync_bfly(Int32(m), 2)))
@@ -94,6 +116,40 @@ if _HAVE_DSL:
         if c == 0:
             st_shared_b32(colscale_addr, fp4.f32_to_bits(cs))
         return rb
+
+    @cute.jit
+    def row_prologue(ws_row: Int64, nsb: Int32, c: Int32, g: Float32, fp8: cutlass.Constexpr[bool],
+                     nvfp4: cutlass.Constexpr[bool], colscale_addr: Int32):
+        """Reference exponent of one weight row over its whole K (all 4 lanes of the row's quad
+        call this; lane ``c`` reads scale words ``c, c + 4, ...`` of the ``nsb`` scale bytes at
+        ``ws_row``); returns it (Int32: MXFP4 the max UE8M0 byte, NVFP4 ``base``; W4A16: 0) to every
+        lane of the quad and lane 0 writes the column multiplier (fp32) to ``colscale_addr``."""
+        m2 = Uint32(0)
+        if cutlass.const_expr(fp8):
+            nw = nsb // 4
+            for i in cutlass.range(c, nw, 4, unroll=4):
+                m2 = _bytemax_words(m2, ld_global_nc_b32(ws_row + Int64(i) * 4))
+        return _row_reference(m2, g, fp8, nvfp4, c, colscale_addr)
+
+    @cute.jit
+    def row_prologue_v4(ws_row: Int64, nsb: Int32, c: Int32, g: Float32, fp8: cutlass.Constexpr[bool],
+                        nvfp4: cutlass.Constexpr[bool], colscale_addr: Int32):
+        """:func:`row_prologue` with 16-byte loads: lane ``c`` reads chunks ``c, c + 4, c + 8, c + 12``
+        of the row per round (all issued before any is used: one memory round trip per 256 bytes of
+        scales; the DSV4 rows need one; chunks past the row end re-read its last one). Needs
+        ``nsb % 16 == 0`` and a 16-byte aligned ``ws_row``."""
+        m2 = Uint32(0)
+        if cutlass.const_expr(fp8):
+            nch = nsb // 16
+            for r in cutlass.range(0, nch, 16, unroll=1):
+                ws = []
+                for q in cutlass.range_constexpr(4):   # past the row end: re-read its last chunk (max is idempotent)
+                    ch = cutlass.min(r + c + 4 * q, nch - 1)
+                    ws.append(_ld_global_nc_v4(ws_row + Int64(ch) * 16))
+                for q in cutlass.range_constexpr(4):
+                    for i in cutlass.range_constexpr(4):
+                        m2 = _bytemax_words(m2, ws[q][i])
+        return _row_reference(m2, g, fp8, nvfp4, c, colscale_addr)
 
     @cute.jit
     def decode_row_chunk(src: Int32, dst_a: Int32, dst_b: Int32, lo_off: cutlass.Constexpr[int], sc: Uint32,
