@@ -3,13 +3,13 @@
 # v3 vs v4 (moe.cu) at DSV4 Flash / Pro shapes, MXFP4 and NVFP4 (general E4M3 block scales: exact
 # hi + lo path; power-of-two scales: cheap path), W4A8 plus one W4A16 row, as TFLOP/s and % of the FP8
 # peak measured in the same run (torch._scaled_mm 8192^3). Short table last; details under $OUT.
-# Usage (repo root): OUT=out bash scripts/gpu_moe_prefill.sh   [STEPS="compile tests4 bench tests3 tests21"]
+# Usage (repo root): OUT=out bash scripts/gpu_moe_prefill.sh   [STEPS="compile tests4 bench tests3"]
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export DSV4_MOE_DECODE=0  # the prefill kernels only (few-rows-per-expert shapes would go to moe_decode.cu)
 S="$OUT/summary.txt"; L="$OUT/gpu_moe_prefill.log"; PY=${PYTHON:-python3}; T0=$(date +%s)
-STEPS=${STEPS:-"compile tests4 bench tests3 tests21"}
+STEPS=${STEPS:-"compile tests4 bench tests3"}
 step() { local name=$1 t=$2; shift 2; local s=$(date +%s); echo "=== $name" >> "$L"; timeout -k 5 "$t" "$@" >> "$L" 2>&1
   local rc=$?; echo "[$(( s - T0 ))s] $name: rc=$rc in $(( $(date +%s) - s ))s :: $(grep -E ' passed| failed|error' "$L" | tail -1)" | tee -a "$S"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -33,7 +33,7 @@ jobs += [(0, f, s, 1, (("V4_PWG", 2), ("V4_WCOAL", 1))) for f in (0, 1) for s in
 with ProcessPoolExecutor(16) as ex:
     print(list(ex.map(build, jobs)))
 EOF
-# 2. GPU tests: v4 first (new), then v3 (default), then v2 / v1
+# 2. GPU tests: v4 first, then v3 (v1 / v2 were deleted 2026-12-01)
 has tests4 && step "gpu tests v4 (2 producer warpgroups)" 80 env DSV4_MOE_TEST_VERSIONS=v4 DSV4_MOE_V4_PWG=2 $PYTEST
 has tests4 && step "gpu tests v4 (1 producer warpgroup)" 60 env DSV4_MOE_TEST_VERSIONS=v4 DSV4_MOE_V4_PWG=1 $PYTEST
 has tests4 && step "gpu tests v4 (coalesced weight copies, V4_WCOAL=1)" 60 env DSV4_MOE_TEST_VERSIONS=v4 DSV4_MOE_V4_WCOAL=1 $PYTEST
@@ -172,7 +172,6 @@ print_table(rows, ["shape", "fmt", "act", "rows", "v3_us", "v4_us", "v4p1_us", "
                    "v4p1_TFLOPs", "v4w_TFLOPs", "v4_pct_peak", "v4/v3", "v4_vs_v3_rel", "v4p1_vs_v3_rel", "v4w_vs_v3_rel"], title=f"MoE prefill (GEMM1+SwiGLU+GEMM2), FP8 peak {peak:.0f} TFLOP/s, copy {bw:.0f} GB/s")
 EOF
 has tests3 && step "gpu tests v3" 60 env DSV4_MOE_TEST_VERSIONS=v3 $PYTEST
-has tests21 && step "gpu tests v2,v1" 50 env DSV4_MOE_TEST_VERSIONS=v2,v1 $PYTEST
 echo "total $(( $(date +%s) - T0 ))s" | tee -a "$S"
 # short table last
 grep -E "^\[moe gpu" "$L" | sort | uniq | tail -n 40

@@ -38,9 +38,9 @@ def fold_fp4_weight_w4a8(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> t
 
     mxfp4: base = max exponent - 6; shift d = e - base in [-8, 6] is exact, d < -8 flushes to 0.
     nvfp4: base = floor(log2(max sf)) - 5; value = e4m3_rn(level * sf * 2^-base) (exact for
-    power-of-two sf). This single-rounding NVFP4 fold is what the v1-v3 kernels did before the
+    power-of-two sf). This single-rounding NVFP4 fold is what the first CUDA kernels did before the
     hi + lo split; kept as the "before" comparison of the exactness tests. The current W4A8
-    kernels (v2-v4) add lo = e4m3_rn(v - hi) for general scales. See kernels_cuda/moe.cu.
+    kernels (moe.cu v3 / v4, the CuTe DSL grouped GEMM) add lo = e4m3_rn(v - hi) for general scales.
     """
     vals = e2m1_decode(unpack_e2m1(data))
     K = vals.shape[-1]
