@@ -206,7 +206,8 @@ def compile_variants(label: str, variants: dict, dump_dir: str | None = None, ar
     return out
 
 
-def dl(t, align: int):
-    """torch tensor -> CuTe tensor with a dynamic layout (unit stride in the last dim)."""
+def dl(t, align: int = 16):
+    """torch tensor -> CuTe tensor with a dynamic layout (unit stride in the last dim); ``align``:
+    the byte alignment the kernel may assume of its base pointer."""
     from cutlass.cute.runtime import from_dlpack
     return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)

@@ -35,7 +35,7 @@ from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, compile_options, dsl_target_support, launch_on
+from ._compile import DslProvider, compile_cached, compile_options, dl, dsl_target_support, launch_on
 
 __all__ = ["PagedConfig", "paged_config", "paged_smem_bytes", "DslPagedLogits", "DslLogits", "prefill_logits_dsl",
            "DslTopkPagedComposed", "PREFILL_VALIDATED", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
@@ -172,7 +172,6 @@ class DslPagedLogits(_DslBase):
     def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
         import torch
         from cutlass import Int32
-        from cutlass.cute.runtime import from_dlpack
 
         from dsv4.target import Target
         fmt = problem["fmt"]
@@ -194,8 +193,7 @@ class DslPagedLogits(_DslBase):
         lv = lens.contiguous().view(-1)
         btv = block_table.contiguous()
 
-        def t(x, align):
-            return from_dlpack(x, assumed_align=align).mark_layout_dynamic(leading_dim=x.dim() - 1)
+        t = dl
         grid = cfg.ctas_per_sm * _sm_count(q_data.device)
         args = (t(qd, 16), t(qs, 16), t(wv, 16), t(cv, 16), t(lv, 4), t(btv, 4), t(out, 4),
                 Int32(B), Int32(nb), Int32(bs), Int32(max_ctx), Int32(grid))
@@ -256,8 +254,7 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
             t.element_type = Float8E4M3FN
         return t.mark_layout_dynamic(leading_dim=1)
 
-    def t(x, align):
-        return from_dlpack(x, assumed_align=align).mark_layout_dynamic(leading_dim=x.dim() - 1)
+    t = dl
     wv = _aligned(w)
     units = -(-T // QUNIT)
     grid = min(units, _sm_count(q_data.device))

@@ -25,7 +25,7 @@ from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, current_stream
+from ._compile import DslProvider, compile_cached, current_stream, dl
 
 __all__ = ["DslSparseAttention", "sparse_attention_dsl", "PROVIDERS", "SplitConfig", "choose_config", "compile_check", "PTX_PATTERNS"]
 
@@ -113,7 +113,6 @@ def _launch(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, sca
     """One launch of the fwd kernel (+ the combine with KV splits) for ``1 <= T <= MAX_ROWS_PER_LAUNCH`` rows."""
     import torch
     from cutlass import Float32, Int32
-    from cutlass.cute.runtime import from_dlpack
 
     from dsv4.target import Target
 
@@ -132,12 +131,11 @@ def _launch(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, sca
     fwd = compile_cached(("sparse_attention_fwd", split, arch),
                          lambda: sparse_attention_fwd.compile_kernel(split, arch))
 
-    def t(x, align=16):
-        return from_dlpack(x, assumed_align=align).mark_layout_dynamic(leading_dim=x.dim() - 1)
+    t = dl
 
     def cache_base(c):
         # the kernel only takes the base pointer (it computes the slot addresses itself, in 64 bits)
-        return from_dlpack(c.view(-1)[:16], assumed_align=16).mark_layout_dynamic(leading_dim=0)
+        return dl(c.view(-1)[:16])
 
     sbs, cbs = _bs(swa_cache), _bs(cache)
     if split:

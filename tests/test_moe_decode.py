@@ -327,9 +327,7 @@ def test_gpu_decode_matches_oracles(fmt, act, m, consumer):
     with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
         h_r, h_s_r = moe.moe_gemm1_swiglu(gr, W)
         y_r = moe.moe_gemm2(h, h_s, gr, W)
-    valid = torch.zeros(gr.a.shape[0], dtype=torch.bool, device="cuda")
-    for e, c in enumerate(gr.row_count.tolist()):
-        valid[gr.row_start[e]:gr.row_start[e] + c] = True
+    valid = _valid(gr)
     err_y = _rel(y[valid], y_r[valid])
     if act == "fp8":
         hd = h.float() * h_s.repeat_interleave(128, 1)

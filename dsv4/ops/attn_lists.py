@@ -256,9 +256,10 @@ def graph_cases(device) -> list:
     ent = torch.empty(T, K, dtype=torch.int32, device=dev)
 
     def refresh():
-        pos.copy_(torch.randint(-1, 600, (T,), generator=gen))
+        p = torch.randint(-1, 600, (T,), generator=gen)
+        pos.copy_(p)
         req.copy_(torch.randint(-1, R + 1, (T,), generator=gen, dtype=torch.int32))
-        first.copy_(pos.cpu() - torch.randint(0, 200, (T,), generator=gen))
+        first.copy_(p - torch.randint(0, 200, (T,), generator=gen))
         swa_bt.copy_(torch.randint(-1, 2 * R + 1, swa_bt.shape, generator=gen, dtype=torch.int32))
         bt.copy_(torch.randint(-1, 8 * R + 2, bt.shape, generator=gen, dtype=torch.int32))
         ent.copy_(torch.randint(-1, 8 * bs + 4, ent.shape, generator=gen, dtype=torch.int32))
