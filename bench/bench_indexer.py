@@ -13,8 +13,10 @@ Prefill: 8192 queries x 16384 entries, causal (the last 8192 tokens of a 65536-t
 and 8192 x 8192 full; TFLOP/s = 2 * 64 * 128 * allowed pairs / time vs the 1716 TFLOP/s FP8 peak;
 DeepGEMM ``fp8_mqa_logits`` with ``clean_logits=True`` (-inf outside the ranges, the same
 output contract as ours) and ``False``.
-Decode top-k op (``indexer_topk_paged``; today composed: logits kernel + ``topk`` op, not fused):
-time vs logits alone and vs logits + the ``topk`` op.
+Decode top-k op (``indexer_topk_paged``, its registry provider; the ``dsl`` one is fused: logits
+kernel with the selection-histogram epilogue + ``topk_select_kernel``): time vs logits alone
+(``topk_paged_over_logits``) and vs the two ops in sequence, ``indexer_logits_paged`` + ``topk``
+(``us_composed512``).
 
 Times: CUDA-graph replays (bench._util.time_graph), median; caches rotated past L2 when smaller
 than 240 MB. Cache contents are random bytes with sane scales (timing does not depend on values;
@@ -149,6 +151,9 @@ def bench_decode(args, bw, rows_out, dev, budget, dg):
             try:
                 out = indexer_logits_paged(qd4, qs4, w, caches[0], lens, bt, fmt=fmt)
                 r["us_topk512"] = time_graph([lambda: indexer_topk(out, lens.view(-1), 512)])
+                r["us_composed512"] = time_graph(
+                    [lambda c=c: indexer_topk(indexer_logits_paged(qd4, qs4, w, c, lens, bt, fmt=fmt), lens.view(-1), 512)
+                     for c in caches])
                 tp = _topk_paged(fmt, nn, mb * 64, dev)
                 if tp is not None:   # indexer_topk_paged: its provider says whether it is fused
                     r["us_topk_paged512"] = time_graph(
@@ -274,7 +279,8 @@ def main(argv=None):
                               "elapsed_s": time.time() - budget.t0, "rows": rows})
     print_table([r for r in rows if r["kind"] == "decode"],
                 ["fmt", "provider", "B", "entries", "next_n", "us", "pct_copy_bw", "deepgemm_fp8_us",
-                 "ours_over_deepgemm", "us_topk512", "us_topk_paged512", "topk_paged_provider", "topk_paged_over_logits"],
+                 "ours_over_deepgemm", "us_topk512", "us_composed512", "us_topk_paged512", "topk_paged_provider",
+                 "topk_paged_over_logits"],
                 title="\ndecode (paged) logits")
     print_table([r for r in rows if r["kind"] == "prefill"],
                 ["fmt", "provider", "S", "causal", "us", "TFLOPs", "pct_fp8_peak", "dsl_us", "dsl_TFLOPs",

@@ -81,26 +81,8 @@ VARS: dict[str, Var] = {
         "Compaction scheme of `topk.cu` (`TOPK_APPEND`): 0 = warp-aggregated atomics on one shared "
         "counter (default), 1 = block-wide scan compaction, one atomic per CTA per tile "
         "(`kernels_cuda/topk.py`, read at import). Same results either way."),
-    # ---------------------------------------------------------------- MoE prefill (kernels_cuda/moe.py)
-    "DSV4_MOE_KERNEL": Var("choice", "v4", ("v3", "v4"),
-        "Grouped-GEMM kernel of `moe.cu`: `v4` = warp-specialized producer / consumer warpgroups (FP8 "
-        "activations; W4A16 runs v3), `v3` = cp.async ring + 128B-swizzled operands. Both pass the GPU tests."),
-    "DSV4_MOE_V4_PWG": Var("int", 2, (1, 2),
-        "Producer warpgroups of the v4 kernel (`V4_PWG`)."),
-    "DSV4_MOE_V4_STAGES": Var("int", None, range(2, 9),
-        "v4 ring depth (`V4_STAGES`); default 3 for NVFP4 W4A8 (hi + lo tiles), else 4. Tuning only: a "
-        "ring that does not fit 227 KiB of shared memory fails at launch."),
-    "DSV4_MOE_V4_WCOAL": Var("int", 0, _FLAG,
-        "1: v4 packed weights copied by 4 threads per row (coalesced, `V4_WCOAL`). Tuning only."),
-    "DSV4_MOE_DIAG": Var("int", 0, (0, 1, 2, 3),
-        "Benchmark diagnostics of `moe.cu` that compute WRONG results (timing only): 1 = skip the "
-        "WGMMAs, 2 = skip the FP4 decode, 3 (v4) = both. A nonzero value is refused (ValueError) unless "
-        "`DSV4_BENCH_DIAGNOSTICS=1` is also set."),
-    "DSV4_BENCH_DIAGNOSTICS": Var("flag", 0, _FLAG,
-        "1: allow benchmark-only diagnostic kernels that compute wrong results (`DSV4_MOE_DIAG`). Set "
-        "by `bench/bench_moe.py` and `scripts/gpu_moe_prefill.sh` around their diagnostics rows only."),
     "DSV4_RUN_UNVALIDATED": Var("flag", 0, _FLAG,
-        "1: the GPU tests and benchmarks of kernels not yet validated on the H200 (the indexer prefill DSL kernel for FP8 keys, "
+        "1: the GPU tests and benchmarks of kernels not yet validated on the H200 (a format outside "
         "`kernels_dsl/indexer.py` `PREFILL_VALIDATED`, which the registry then picks) run them; otherwise they "
         "skip. Such a kernel may hang or fault: set it only in a time-boxed validation job."),
     # ---------------------------------------------------------------- MoE decode (kernels_cuda/moe_decode.py)
@@ -236,8 +218,7 @@ Every variable is optional. Unset or empty means the default. Variables read thr
 `dsv4.config` helpers (all but `DSV4_OPS`, `DSV4_COMPILE_ARCH` and `DSV4_CACHE_DIR`) are validated: a bad value raises `ValueError` naming the variable, the allowed
 values and the value found (flags accept exactly `0` or `1`). Most are read at each dispatch (set them
 before the call); the `DSV4_QUANT_*`, `DSV4_TOPK_APPEND` and `DSV4_COMPILE_ARCH` values are read once at
-import. Variables marked *tuning* / *bench* exist for benchmarks and never change results, except
-`DSV4_MOE_DIAG` (wrong results by design, refused without `DSV4_BENCH_DIAGNOSTICS=1`).
+import. Variables marked *tuning* / *bench* exist for benchmarks and never change results.
 
 | variable | type | default | allowed | what it does |
 |---|---|---|---|---|

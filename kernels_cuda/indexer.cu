@@ -7,27 +7,27 @@
 //                          butterflies in-thread then __shfl_xor_sync, rounded once to bf16), then MXFP4 / NVFP4 /
 //                          FP8 quantization; writes into the paged key cache (slot_mapping,
 //                          -1 = skip) or into the query buffers (FP8: scale folded into w).
-//   indexer_logits_kernel  one warpgroup (128 threads) per CTA; CTA = NQ query rows x a chunk
-//                          of keys. Keys are the WGMMA M dimension (64 keys per tile), the
-//                          NQ x 64 heads are the N dimension (N = 64*NQ <= 256), K = 128 dims.
-//                          Raw key bytes stream through a STAGES-deep cp.async ring; each tile
-//                          is decoded EXACTLY to BF16 in smem (E2M1 via the prmt LUT of
-//                          common.cuh with the block scale folded in: E2M1 * 2^e and
-//                          E2M1 * E4M3 are exact in BF16; E4M3 -> BF16 is exact), then 8
+//   indexer_logits_kernel  (paged decode, NVFP4) one warpgroup (128 threads) per CTA; CTA = the
+//                          NQ = next_n query rows of one sequence x a chunk of keys. Keys are the
+//                          WGMMA M dimension (64 keys per tile), the NQ x 64 heads are the N
+//                          dimension (N = 64*NQ <= 256), K = 128 dims. Raw key bytes stream
+//                          through a STAGES-deep cp.async ring; each tile is decoded EXACTLY to
+//                          BF16 in smem (E2M1 x E4M3 block scale is exact in BF16), then 8
 //                          wgmma.mma_async m64nNk16 BF16 (fp32 accumulate) while the next tile
 //                          is decoded into the other buffer. Epilogue in registers: ReLU,
 //                          x w[r,h], sum over the thread's heads, quad shuffle reduce, x the
-//                          per-key FP8 scale / NVFP4 global scales, -inf outside the row range.
+//                          NVFP4 global scales, -inf outside the row range.
 //
-// The FP8-WGMMA variants of indexer_logits_kernel (per-32 exact folds, FP8 keys, cp.async.bulk
-// pages and the DEFER / SPLIT_NN / ACCBUF tuning switches) were retired on 2026-12-01: the CuTe DSL
-// kernels (kernels_dsl/indexer_paged.py, indexer_prefill.py) are faster on every measured MXFP4 /
-// FP8 shape (docs/benchmarks.md). This BF16 kernel stays for NVFP4, whose E2M1 x E4M3-scale
-// products have no exact FP8 operand; its MXFP4 / FP8 decodes (exact, BF16) remain the GPU
-// cross-check of the tests.
+// indexer_logits_kernel is the paged DECODE kernel for NVFP4 keys only (IDX_FMT 1): MXFP4 and FP8
+// decode and every prefill run on the CuTe DSL kernels (kernels_dsl/indexer_paged.py decode,
+// indexer_prefill.py prefill), measured faster on the H200 (docs/benchmarks.md, jobs idx-01..03,
+// idx-14/15, lead-38: NVFP4 prefill 1.48x this kernel); its prefill path, its MXFP4 / FP8 BF16
+// decodes, the FP8-WGMMA variants and the DEFER / SPLIT_NN / ACCBUF switches were retired on
+// 2026-12-01. NVFP4 decode stays here: its E2M1 x E4M3-scale products have no exact FP8 operand and
+// the DSL decode kernel has only its FP8 register-sourced WGMMA path. The quantizer serves every format.
 //
-// Macros: IDX_FMT (0 MXFP4, 1 NVFP4, 2 FP8), IDX_NQ (1..4 query rows per CTA),
-//         IDX_PAGED (0 prefill contiguous keys, 1 decode paged cache), IDX_STAGES (cp.async ring),
+// Macros: IDX_FMT (0 MXFP4, 1 NVFP4, 2 FP8; the logits kernel exists for 1 only), IDX_NQ (1..4 query rows per CTA),
+//         IDX_STAGES (cp.async ring),
 //         IDX_HADAMARD (quantizer: rotate first), IDX_MAX_CHUNK_TILES (decode: block-table
 //         entries prefetched to smem per CTA).
 #include "indexer.cuh"
@@ -37,9 +37,6 @@
 #endif
 #ifndef IDX_NQ
 #define IDX_NQ 1
-#endif
-#ifndef IDX_PAGED
-#define IDX_PAGED 0
 #endif
 #ifndef IDX_STAGES
 #define IDX_STAGES 4
@@ -96,25 +93,6 @@ DSV4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
   return r;
 }
-// UE8M0 byte -> bf16 bits of 2^(b-127) (b = 0 is the bf16 subnormal 2^-127, 255 NaN)
-DSV4_DEVICE u32 ue8m0_to_bf16_bits(u32 b) {
-  b &= 0xFFu;
-  return b == 0u ? 0x0040u : (b == 0xFFu ? 0x7FC0u : (b << 7));
-}
-// 8 E4M3 bytes (w0 = bytes 0..3, w1 = 4..7) -> 8 bf16 in o[0..3] (exact: via f16)
-DSV4_DEVICE void e4m3x8_to_bf16x8(u32 w0, u32 w1, u32 o[4]) {
-  const u32 ww[2] = {w0, w1};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      float lo, hi;
-      e4m3x2_to_f32x2(ww[i] >> (16 * p), lo, hi);
-      o[2 * i + p] = pack_bf16x2(lo, hi);
-    }
-  }
-}
-
 // Fast exact E2M1 -> BF16 for the WGMMA operands. A nibble n placed as the
 // bf16 bit pattern (n & 8) << 12 | (n & 7) << 6 (sign, then the 3 magnitude bits as exponent
 // field bits 8:7 + mantissa bit 6) is the bf16 value E2M1(n) * 2^-126 exactly (code 1 is the
@@ -145,26 +123,19 @@ DSV4_DEVICE u64 make_desc_sw128(u32 addr) {
   return (u64)((addr >> 4) & 0x3FFFu) | ((u64)1u << 16) | ((u64)(1024u >> 4) << 32) | ((u64)1u << 62);
 }
 
-// Decode one half row (64 dims) held in vw[] (FP4: 8 words; FP8: 16 words) with its block
-// scales `sc` (MXFP4: 2 UE8M0 bytes; NVFP4: 4 E4M3 bytes; FP8: none) into the SW128 tile.
+#if IDX_FMT == 1
+// Decode one half row (64 dims) held in vw[] (8 words of E2M1) with its 4 E4M3 block scales `sc`
+// into the SW128 tile (E2M1 x E4M3 is exact in BF16).
 DSV4_DEVICE void decode_half(const u32* vw, const u8* sc, u32 tile, int rows, int r, int half) {
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     u32 o[4];
-#if IDX_FMT == 2
-    e4m3x8_to_bf16x8(vw[2 * c], vw[2 * c + 1], o);
-#else
     e2m1x8_to_bf16x8_perm(vw[c], o);
-#if IDX_FMT == 0
-    const u32 sb = ue8m0_to_bf16_bits(sc[c >> 2]);
-#else
     const float sf = e4m3_to_f32(sc[c >> 1]);
     const u32 sb = pack_bf16x2(sf, sf) & 0xFFFFu;
-#endif
     const u32 s2 = sb | (sb << 16);
 #pragma unroll
     for (int k = 0; k < 4; ++k) o[k] = bf16x2_mul(o[k], s2);
-#endif
     st_shared_v4(sw128_addr(tile, rows, r, half, c), o[0], o[1], o[2], o[3]);
   }
 }
@@ -176,10 +147,7 @@ struct __align__(1024) LogitsSmem {
   u8 k[2][2 * IDX_TILE * 128];         // A operand: 64 keys x 128 dims bf16, SW128, double buffer
   u8 raw[IDX_STAGES][IDX_RAW_BYTES];   // raw key bytes: 64 x VB values, then 64 x SB scales
   float w[IDX_NQ][64];                 // head weights of the CTA's query rows
-  float kscale[2][IDX_TILE];           // FP8: per-key fp32 scale of the tile in k[buf]
-#if IDX_PAGED
   i32 pages[IDX_MAX_CHUNK_TILES];      // page of each tile of the CTA's chunk (block_table prefetch)
-#endif
 };
 
 
@@ -202,18 +170,8 @@ DSV4_DEVICE void load_tile_async(u32 raw, const u8* vals, const u8* sfs, int nva
 }
 
 // Decode a landed raw tile into a bf16 SW128 A tile: thread = (key tid/2, half tid%2).
-DSV4_DEVICE void decode_tile(const u8* raw_p, u32 raw, u32 ktile, float* kscale, int tid) {
+DSV4_DEVICE void decode_tile(const u8* raw_p, u32 raw, u32 ktile, int tid) {
   const int r = tid >> 1, half = tid & 1;
-#if IDX_FMT == 2
-  if (half == 0) kscale[r] = reinterpret_cast<const float*>(raw_p + IDX_TILE * IDX_VB)[r];
-  u32 vw[16];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32x4 v = ld_shared_v4(raw + r * IDX_VB + half * 64 + i * 16);
-    vw[4 * i] = v.x; vw[4 * i + 1] = v.y; vw[4 * i + 2] = v.z; vw[4 * i + 3] = v.w;
-  }
-  decode_half(vw, nullptr, ktile, IDX_TILE, r, half);
-#else
   u32 vw[8];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -222,7 +180,6 @@ DSV4_DEVICE void decode_tile(const u8* raw_p, u32 raw, u32 ktile, float* kscale,
   }
   const u8* sc = raw_p + IDX_TILE * IDX_VB + r * IDX_SB + half * (IDX_SB / 2);
   decode_half(vw, sc, ktile, IDX_TILE, r, half);
-#endif
 }
 
 
@@ -255,25 +212,23 @@ DSV4_DEVICE void mma_tile(float* acc, u32 ktile, u32 qtile) {
   fence_acc(acc);
 }
 
-// Prefill (IDX_PAGED=0): rows r = blockIdx.x*NQ + qi < R, keys k_data [S, VB] / k_sf [S, SB],
-//   row range [lo, hi) = [ks[r], ke[r]) clamped to [0, S); ld = S.
-// Decode (IDX_PAGED=1): batch b = blockIdx.x, rows r = b*NQ + qi (NQ = next_n), cache
+// Decode (paged): batch b = blockIdx.x, rows r = b*NQ + qi (NQ = next_n), cache
 //   k_data = [num_blocks, block_size * BPT] (values then scales per block), page of key s =
 //   block_table[b, s / block_size]; row range [0, lens[r]) clamped to n_keys; ld = n_keys.
 extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
     const u8* __restrict__ q_data,     // [R, 64, VB]
-    const u8* __restrict__ q_sf,       // [R, 64, SB/?] (MXFP4 4 B, NVFP4 8 B per head); unused for FP8
+    const u8* __restrict__ q_sf,       // [R, 64, 8] NVFP4 E4M3 block scales
     const float* __restrict__ w,       // [R, 64]
-    const float* __restrict__ q_gs,    // NVFP4: [1] q global scale; else unused
-    const float* __restrict__ k_gs,    // NVFP4: [1] k global scale; else unused
-    const u8* __restrict__ k_data,     // prefill [S, VB]; paged cache base
-    const u8* __restrict__ k_sf,       // prefill [S, SB]; paged: unused
-    const i32* __restrict__ range_lo,  // prefill ks [R]; paged lens [R]
-    const i32* __restrict__ range_hi,  // prefill ke [R]; paged block_table [B, max_blocks]
+    const float* __restrict__ q_gs,    // [1] q global scale
+    const float* __restrict__ k_gs,    // [1] k global scale
+    const u8* __restrict__ k_data,     // paged cache base
+    const u8* __restrict__ k_sf,       // unused (the scales live in the cache pages)
+    const i32* __restrict__ range_lo,  // lens [R]
+    const i32* __restrict__ range_hi,  // block_table [B, max_blocks]
     float* __restrict__ logits,        // [R, ld]
     i32 R, i32 n_keys, i64 ld, i32 chunk_tiles, i32 block_size, i32 max_blocks,
     i32 rows_per_seq,    // == IDX_NQ on this path (one CTA row block per sequence)
-    i32 num_blocks) {    // paged: pages of the cache; block_table entries outside [0, num_blocks)
+    i32 num_blocks) {    // pages of the cache; block_table entries outside [0, num_blocks)
                          // are never dereferenced (block 0 is loaded instead) and their keys get -inf
   extern __shared__ __align__(1024) u8 smem_raw[];
   LogitsSmem& sm = *reinterpret_cast<LogitsSmem*>(
@@ -293,13 +248,8 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
     const int r = row0 + qi;
     int a = 0, b = 0;
     if (r < R) {
-#if IDX_PAGED
       a = 0;
       b = __ldg(range_lo + r);
-#else
-      a = __ldg(range_lo + r);
-      b = __ldg(range_hi + r);
-#endif
       a = max(a, 0);
       b = min(b, n_keys);
       if (b < a) b = a;
@@ -329,27 +279,16 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
   const u32 raw0 = smem_u32(sm.raw[0]);
 #define RAW_S(i) (raw0 + (u32)(i) * (u32)IDX_RAW_BYTES)
 
-#if IDX_PAGED
   const i32* btab = range_hi + (i64)blockIdx.x * max_blocks;
-#endif
-  auto page_ok = [&](int s) -> bool {  // key s lies in a valid page (paged); always true for prefill
-#if IDX_PAGED
+  auto page_ok = [&](int s) -> bool {  // key s lies in a valid page
     return (u32)__ldg(btab + s / block_size) < (u32)num_blocks;
-#else
-    return s >= 0;
-#endif
   };
   auto tile_ptrs = [&](int s0, const u8*& vals, const u8*& sfs) {
-#if IDX_PAGED
     const i64 page = (i64)sm.pages[(s0 - p0) >> 6];
     const u8* base = k_data + ((u64)page < (u64)num_blocks ? page : 0) * block_size * IDX_BPT;
     const int off = s0 % block_size;
     vals = base + (i64)off * IDX_VB;
     sfs = base + (i64)block_size * IDX_VB + (i64)off * IDX_SB;
-#else
-    vals = k_data + (i64)s0 * IDX_VB;
-    sfs = k_sf + (i64)s0 * IDX_SB;
-#endif
   };
   auto issue = [&](int t) {
     if (t < ntiles) {
@@ -360,17 +299,15 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
     }
     cp_async_commit();
   };
-#if IDX_PAGED
   for (int t = tid; t < ntiles; t += 128) sm.pages[t] = __ldg(btab + (p0 + t * 64) / block_size);
   __syncthreads();
-#endif
 #pragma unroll
   for (int t = 0; t < IDX_STAGES; ++t) issue(t);
 
   // queries -> bf16 SW128 B tile (exact), weights -> smem. Thread tid owns the NQ tasks
   // (row n = tid/2 + 64*i, half tid%2); all global loads are issued before any decode.
   {
-    constexpr int QW = IDX_VB / 8;     // words per half row (FP4: 8, FP8: 16)
+    constexpr int QW = IDX_VB / 8;     // words per half row (8)
     u32 qv[IDX_NQ][QW];
     u8 qsc[IDX_NQ][4];
     const int half = tid & 1;
@@ -385,10 +322,8 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
         const u32x4 v = ld_global_nc_v4(src + k * 16);
         qv[i][4 * k] = v.x; qv[i][4 * k + 1] = v.y; qv[i][4 * k + 2] = v.z; qv[i][4 * k + 3] = v.w;
       }
-#if IDX_FMT != 2
 #pragma unroll
       for (int k = 0; k < IDX_SB / 2; ++k) qsc[i][k] = __ldg(q_sf + ((i64)rr * 64 + h) * IDX_SB + half * (IDX_SB / 2) + k);
-#endif
     }
 #pragma unroll
     for (int i = 0; i < IDX_NQ; ++i) {
@@ -405,14 +340,12 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
     const int r = row0 + i / 64;
     sm.w[i / 64][i % 64] = r < R ? __ldg(w + (i64)r * 64 + (i % 64)) : 0.f;
   }
-#if IDX_FMT == 1
   const float gscale = __ldg(q_gs) * __ldg(k_gs);
-#endif
 
   // first tile
   cp_async_wait<IDX_STAGES - 1>();
   __syncthreads();
-  decode_tile(sm.raw[0], RAW_S(0), k_s[0], sm.kscale[0], tid);
+  decode_tile(sm.raw[0], RAW_S(0), k_s[0], tid);
   fence_proxy_async_smem();
   __syncthreads();
   issue(IDX_STAGES);
@@ -428,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
       cp_async_wait<IDX_STAGES - 1>();
       __syncthreads();
       const int st = (t + 1) % IDX_STAGES;
-      decode_tile(sm.raw[st], RAW_S(st), k_s[(t + 1) & 1], sm.kscale[(t + 1) & 1], tid);
+      decode_tile(sm.raw[st], RAW_S(st), k_s[(t + 1) & 1], tid);
     }
     wgmma_wait<0>();
     fence_acc(acc);
@@ -438,13 +371,7 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
 
     // epilogue: rows rA / rA+8 of tile t; columns = heads of query qi
     const int s0 = p0 + t * 64;
-    float kscale0 = 1.f, kscale1 = 1.f;
-#if IDX_FMT == 2
-    kscale0 = sm.kscale[t & 1][rA];  // copied at decode time (the raw stage is reused)
-    kscale1 = sm.kscale[t & 1][rA + 8];
-#elif IDX_FMT == 1
-    kscale0 = gscale; kscale1 = gscale;
-#endif
+    const float kscale0 = gscale, kscale1 = gscale;
 #pragma unroll
     for (int qi = 0; qi < IDX_NQ; ++qi) {
       float v0 = 0.f, v1 = 0.f;
@@ -472,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
   }
   cp_async_wait<0>();
 }
+#endif  // IDX_FMT == 1: indexer_logits_kernel
 
 
 // ---------------------------------------------------------------------------------------

@@ -3,14 +3,16 @@
 * ``indexer_cache_write`` / ``indexer_q_quant``: ``indexer_quant_kernel``, one warp per 128-dim
   row (fp64 FWHT Hadamard by shuffles, rounded once to bf16; MXFP4 / NVFP4 / FP8 encode), one
   launch. The only providers of these two ops.
-* ``indexer_logits`` (prefill) and ``indexer_logits_paged`` (decode): ``indexer_logits_kernel``,
-  the exact BF16 WGMMA path (E2M1 x E4M3 scale decoded exactly to BF16 in smem, wgmma m64nNk16,
-  fused ReLU x w head sum), one launch, no host sync.
-  - decode: **NVFP4 only**. MXFP4 and FP8 keys run on the CuTe DSL provider
-    (kernels_dsl/indexer.py), measured 1.3-3.0x faster on the H200 (issue 13, docs/benchmarks.md)
-    and validated there; NVFP4 has no exact FP8 operand, so it stays here.
-  - prefill: every format, until the DSL prefill kernel has passed its GPU tests
-    (kernels_dsl/indexer.py ``prefill_logits_dsl``).
+* ``indexer_logits_paged`` (decode), **NVFP4 keys only**: ``indexer_logits_kernel``, the exact
+  BF16 WGMMA path (E2M1 x E4M3 scale decoded exactly to BF16 in smem, wgmma m64nNk16, fused ReLU
+  x w head sum), one launch, no host sync. MXFP4 and FP8 keys run on the CuTe DSL provider
+  (kernels_dsl/indexer.py), measured 1.3-3.0x faster on the H200 (issue 13, docs/benchmarks.md)
+  and validated there; NVFP4 has no exact FP8 operand and the DSL decode kernel no BF16 path, so
+  NVFP4 decode stays here.
+* ``indexer_logits`` (prefill): no cuda provider any more. Every format runs on the CuTe DSL
+  prefill kernel (kernels_dsl/indexer.py ``prefill_logits_dsl``), validated on the H200 and faster
+  than this file's former prefill path at 8192 x 16384 causal: MXFP4 3.6x, FP8 2.2x (job idx-15),
+  NVFP4 1.48x (job lead-38); the prefill path was deleted.
   The FP8-WGMMA variants of this file and their tuning switches (``DSV4_INDEXER_MMA`` /
   ``_FP8_KEYS`` / ``_BULK`` / ``_DEFER`` / ``_SPLIT_NN`` / ``_DECODE_ACCBUF`` / ``_PREFILL_NQ`` /
   ``_TUNED``) were retired with the DSL decode provider; what remains compiles to the same
@@ -29,7 +31,6 @@ from .nvrtc import launch, load, set_max_dynamic_smem
 _FMT = {"mxfp4": 0, "nvfp4": 1, "fp8": 2}
 _VB = {"mxfp4": 64, "nvfp4": 64, "fp8": 128}
 _SB = {"mxfp4": 4, "nvfp4": 8, "fp8": 4}
-PREFILL_NQ = 4
 MAX_CHUNK_TILES = 256            # paged: block-table entries prefetched to smem per CTA
 SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KiB per SM, 1 KiB reserved per CTA
 #: key formats the decode provider takes (MXFP4 / FP8: the DSL provider, see the docstring)
@@ -37,11 +38,10 @@ PAGED_FORMATS = ("nvfp4",)
 _smem_set: set = set()
 
 
-def logits_smem_bytes(fmt: str, nq: int, stages: int, paged: bool) -> int:
+def logits_smem_bytes(fmt: str, nq: int, stages: int) -> int:
     """Dynamic shared memory of indexer_logits_kernel (mirrors ``struct LogitsSmem`` + 1 KiB align slack)."""
     n = 64 * nq
-    size = (2 * n * 128 + 2 * 2 * 64 * 128 + stages * 64 * (_VB[fmt] + _SB[fmt]) + nq * 64 * 4 + 2 * 64 * 4
-            + (4 * MAX_CHUNK_TILES if paged else 0))
+    size = 2 * n * 128 + 2 * 2 * 64 * 128 + stages * 64 * (_VB[fmt] + _SB[fmt]) + nq * 64 * 4 + 4 * MAX_CHUNK_TILES
     return -(-size // 1024) * 1024 + 1024
 
 
@@ -49,13 +49,11 @@ def ctas_per_sm(smem: int) -> int:
     return max(1, SMEM_PER_SM // (smem + 1024))
 
 
-def _stages(fmt: str, nq: int, paged: bool) -> int:
-    """cp.async ring depth (tiles): decode picks the deepest ring that still fits 3 CTAs per SM
-    for next_n = 1 (deep enough to cover HBM latency across 3 CTAs); prefill (keys L2-resident) 2."""
-    if not paged:
-        return 2
+def _stages(fmt: str, nq: int) -> int:
+    """cp.async ring depth (tiles): the deepest ring that still fits 3 CTAs per SM for next_n = 1
+    (deep enough to cover HBM latency across 3 CTAs)."""
     for st in (6, 5, 4, 3, 2):
-        if ctas_per_sm(logits_smem_bytes(fmt, 1, st, True)) >= 3:
+        if ctas_per_sm(logits_smem_bytes(fmt, 1, st)) >= 3:
             return st
     return 2
 
@@ -75,13 +73,16 @@ def _set_carveout(kernel) -> None:
         pass
 
 
-def _kernel(fmt: str, nq: int, paged: bool):
-    """(kernel, dynamic smem bytes, CTAs per SM) for one specialization."""
-    st = _stages(fmt, nq, paged)
-    mod = load("indexer.cu", IDX_FMT=_FMT[fmt], IDX_NQ=nq, IDX_PAGED=int(paged), IDX_STAGES=st,
-               IDX_MAX_CHUNK_TILES=MAX_CHUNK_TILES)
-    smem = logits_smem_bytes(fmt, nq, st, paged)
-    key = (fmt, nq, paged, torch.cuda.current_device())
+def _kernel(fmt: str, nq: int):
+    """(kernel, dynamic smem bytes, CTAs per SM) for one specialization (NVFP4 keys only: the
+    logits kernel is compiled for ``IDX_FMT=1`` alone, see indexer.cu)."""
+    if fmt != "nvfp4":
+        raise ValueError(f"indexer.cu logits kernel: fmt must be 'nvfp4' (MXFP4 / FP8 keys run on the dsl "
+                         f"provider), got {fmt!r}")
+    st = _stages(fmt, nq)
+    mod = load("indexer.cu", IDX_FMT=_FMT[fmt], IDX_NQ=nq, IDX_STAGES=st, IDX_MAX_CHUNK_TILES=MAX_CHUNK_TILES)
+    smem = logits_smem_bytes(fmt, nq, st)
+    key = (fmt, nq, torch.cuda.current_device())
     k = mod.kernel("indexer_logits_kernel")
     if key not in _smem_set:
         set_max_dynamic_smem(k, smem)
@@ -138,33 +139,6 @@ class CudaQQuant(_Base):
         return q_data, q_sf, w_out
 
 
-class CudaLogits(_Base):
-    describe = ("indexer.cu indexer_logits_kernel: exact BF16 WGMMA m64n256k16 (FP4 / FP8 decoded exactly), "
-                "fused ReLU x w")
-
-    def supports_problem(self, problem):
-        return Support.yes("sm_90a, every format (exact BF16 path); the dsl prefill kernel is listed first and "
-                           "serves MXFP4 keys, so this one runs FP8 / NVFP4 keys")
-
-    def run(self, problem, *, q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global):
-        fmt = problem["fmt"]
-        T, S = q_data.shape[0], k_data.shape[0]
-        out = torch.empty((T, S), dtype=torch.float32, device=q_data.device)
-        if T == 0 or S == 0:
-            return out
-        nq = PREFILL_NQ
-        kern, smem, _ = _kernel(fmt, nq, False)
-        ct = 64
-        grid = ((T + nq - 1) // nq, -(-S // (ct * 64)), 1)
-        qg = q_global if q_global is not None else w
-        kg = k_global if k_global is not None else w
-        qsf = q_sf if q_sf.numel() else q_data
-        launch(kern, grid, 128, q_data, qsf, w, qg, kg, k_data, k_sf, ks, ke, out,
-               np.int32(T), np.int32(S), np.int64(S), np.int32(ct), np.int32(64), np.int32(0), np.int32(nq),
-               np.int32(0), smem=smem)
-        return out
-
-
 def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -198,7 +172,7 @@ class CudaPagedLogits(_Base):
         out = torch.empty((B * nn, max_ctx), dtype=torch.float32, device=q_data.device)
         if B == 0:
             return out
-        kern, smem, ctas = _kernel(fmt, nn, True)
+        kern, smem, ctas = _kernel(fmt, nn)
         ntiles = -(-max_ctx // 64)
         ct = decode_chunk_tiles(B, ntiles, ctas * _sm_count(q_data.device))
         grid = (B, -(-ntiles // ct), 1)
@@ -214,6 +188,5 @@ class CudaPagedLogits(_Base):
 PROVIDERS = {
     "indexer_cache_write": CudaCacheWrite,
     "indexer_q_quant": CudaQQuant,
-    "indexer_logits": CudaLogits,
     "indexer_logits_paged": CudaPagedLogits,
 }

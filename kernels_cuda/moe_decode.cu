@@ -1,5 +1,5 @@
 // moe_decode.cu: MoE expert GEMMs for DECODE (few tokens per expert), Hopper sm_90a, tensor cores.
-// Same contract as moe.cu (docs/layouts/moe_gemm1_swiglu.md, moe_gemm2.md; dsv4/ops/moe.py):
+// Same contract as the other providers (docs/layouts/moe_gemm1_swiglu.md, moe_gemm2.md; dsv4/ops/moe.py):
 //   stage 1 (MD_STAGE=1): gate = bf16(A W13g^T g13[e,0]), up = bf16(A W13u^T g13[e,1]),
 //       h = bf16(silu(min(gate, 10)) * clamp(up, -10, 10) * route_w[r]); FP8 activations (MD_ACT=0):
 //       h -> E4M3 with one UE8M0 power-of-two scale per 128 columns (h_s [R, I/128] fp32); BF16

@@ -166,7 +166,7 @@ def _launch(p, act, fmt, stage, a, a_s, w, w_s, w_g, row_start, row_count, route
 
 
 def gemm1_swiglu(p: dict, problem: dict, *, a, a_s, w13, w13_scale, g13, row_start, row_count, route_w):
-    """``moe_gemm1_swiglu`` on the decode kernel (plan ``p`` from :func:`plan`); outputs as ``moe.cu``:
+    """``moe_gemm1_swiglu`` on the decode kernel (plan ``p`` from :func:`plan`); outputs as every provider of the op:
     fp8: ``(h e4m3 [R, I], h_s fp32 [R, I/128])``; bf16: ``(h bf16 [R, I], empty fp32 [0])``."""
     act, fmt = problem["act"], problem["fmt"]
     R = a.shape[0]

@@ -32,7 +32,8 @@
 // votes has a block-uniform trip count; element predicates are data, never control flow around
 // a barrier.
 //
-// Macros: TOPK_THREADS (256/512/1024), TOPK_CLUSTER (1/2/4/8 CTAs per row), TOPK_CAP (candidate
+// Macros: TOPK_SELECT (defined: also build topk_select_kernel, bottom of the file; needs TOPK_CLUSTER 1),
+// TOPK_THREADS (256/512/1024), TOPK_CLUSTER (1/2/4/8 CTAs per row), TOPK_CAP (candidate
 // buffer entries), TOPK_VEC (1: 16-byte loads, needs 16 B aligned rows; 0: scalar loads),
 // TOPK_APPEND (1: block-wide compaction, one atomic per CTA per tile; 0: warp-aggregated
 // atomics per slot -- simpler, but the shared counter serializes under load).
@@ -73,6 +74,7 @@ struct TopkSmem {
   u32 wa[32], wb[32];     // block_append2 warp offsets
   u32 n_sel, n_cand, and_hi, or_hi, total, res_above, res_cnt;  // and/or: of b0 keys
   int res_bin;
+  u32 gb_sel, gb_cand, last;  // topk_select_kernel: global slot bases, last-CTA flag
 };
 // host side reserves 8*KMAX + 8*CAP + 4*NBINS + 512 bytes
 static_assert(sizeof(TopkSmem) <= 8 * TOPK_KMAX + 8 * TOPK_CAP + 4 * TOPK_NBINS + 512, "smem layout");
@@ -407,125 +409,19 @@ DSV4_DEVICE void bitonic_sort_desc(u64* s, int P) {
 }
 
 // ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kernel(
-    const float* __restrict__ logits,      // [rows, >= ncols], row stride row_stride (elements)
-    i64 row_stride, i32 ncols,
-    const i32* __restrict__ lengths,       // [rows] end of the valid range (clamped to [0, ncols])
-    const i32* __restrict__ starts,        // [rows] start of the valid range, or unused
-    i32 has_starts,
-    const i32* __restrict__ block_table,   // [B, max_blocks] or unused
-    i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt,
-    i32 k,                                 // 1..2048
-    i32 rows,
-    i32* __restrict__ out_idx,             // [rows, k]
-    float* __restrict__ out_score) {       // [rows, k]
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  TopkSmem& S = *reinterpret_cast<TopkSmem*>(smem_raw);
-  const int tid = threadIdx.x, lane = tid & 31;
-  const i64 row = blockIdx.x / TOPK_CLUSTER;
-  const u32 rank = cl_rank();
-  if (row >= rows) return;  // cluster-uniform (whole clusters only): harmless over-launch guard
-
-  int hi = lengths[row];
-  hi = hi < 0 ? 0 : (hi > ncols ? ncols : hi);
-  int lo = has_starts ? starts[row] : 0;
-  lo = lo < 0 ? 0 : (lo > hi ? hi : lo);
-  const float* __restrict__ rowp = logits + row * row_stride;
+// Leader of a row: S.sel holds the sure winners (S.n_sel of them), S.cand the candidates of bin b0
+// (S.n_cand, if store_cand), S.and_hi / S.or_hi the AND / OR of the b0 keys. Refines the threshold
+// inside b0 (radix select over the composite key), sorts the k selected composites and writes the
+// row. Block-uniform control flow (contains barriers); shared by topk_kernel and
+// topk_select_kernel.
+DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row, int lo, int hi, int b0,
+                            u32 above0, bool all_b0, bool store_cand, i32 k, const i32* __restrict__ block_table,
+                            i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt, i32* __restrict__ out_idx,
+                            float* __restrict__ out_score) {
+  const int tid = threadIdx.x;
   const u32 kk0 = (u32)k;
-
-  // this CTA's slice of the row, in groups of 4 positions
-  const int g_lo = lo >> 2, g_hi = (hi + 3) >> 2, ng = g_hi - g_lo;
-  const int per = (ng + TOPK_CLUSTER - 1) / TOPK_CLUSTER;
-  const int my_lo = g_lo + min((int)rank * per, ng);
-  const int my_hi = g_lo + min((int)rank * per + per, ng);
-
-  for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
-  if (tid == 0) {
-    S.n_sel = 0u; S.n_cand = 0u;
-    S.and_hi = 0xFFFFFFFFu;
-    S.or_hi = 0u;
-  }
-  __syncthreads();
-
-  // ---- pass A: bucket histogram of this slice
-  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid) {
-    hist_add(S.hist, bucket, valid);
-  });
-  cl_sync();  // histograms complete (and leader counters initialized) cluster-wide
-
-  // ---- merged histogram -> bin b0 of the k-th best
+  const int g_lo = lo >> 2, g_hi = (hi + 3) >> 2;
   u32 c[TOPK_BPT];
-  {
-    const u32 hbase = smem_u32(S.hist);
-#pragma unroll
-    for (int j = 0; j < TOPK_BPT; ++j) {
-      const u32 bin = TOPK_NBINS - 1 - (tid * TOPK_BPT + j);
-      u32 s = 0;
-#pragma unroll
-      for (int r = 0; r < TOPK_CLUSTER; ++r) s += sp_ld(cl_map(hbase + 4u * bin, (u32)r));
-      c[j] = s;
-    }
-  }
-  select_bin(S, c, kk0);
-  const int b0 = S.res_bin;          // -1: fewer than k selectable -> take all
-  const u32 above0 = S.res_above, cnt0 = S.res_cnt;
-  const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
-  const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
-
-  // ---- pass B: append the sure winners and the b0 candidates to the leader
-  const u32 L_sel = cl_map(smem_u32(S.sel), 0), L_cand = cl_map(smem_u32(S.cand), 0);
-  const u32 L_nsel = cl_map(smem_u32(&S.n_sel), 0), L_ncand = cl_map(smem_u32(&S.n_cand), 0);
-  u32 a_and = 0xFFFFFFFFu, a_or = 0u;  // AND / OR of the b0 candidates' key32
-#if TOPK_APPEND
-  scan_groups_blk<TOPK_UNROLL>(rowp, my_lo, my_hi, lo, hi, [&](auto&& get) {
-    u32 fa = 0u, fb = 0u;
-#pragma unroll
-    for (int s = 0; s < 4 * TOPK_UNROLL; ++s) {
-      u32 key, bucket;
-      int p;
-      bool valid;
-      get(s, key, p, bucket, valid);
-      const int bk = (int)bucket;
-      if (valid && (bk > b0 || (all_b0 && bk == b0))) fa |= 1u << s;
-      if (valid && !all_b0 && bk == b0) {
-        a_and &= key;
-        a_or |= key;
-        if (store_cand) fb |= 1u << s;
-      }
-    }
-    block_append2<4 * TOPK_UNROLL>(S, fa, fb, [&](int s) {
-      u32 key, bucket;
-      int p;
-      bool valid;
-      get(s, key, p, bucket, valid);
-      return ((u64)key << 32) | (u32)(hi - 1 - p);
-    }, L_sel, L_nsel, TOPK_KMAX, L_cand, L_ncand, TOPK_CAP);
-  });
-#else
-  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
-    const int bk = (int)bucket;
-    const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
-    const bool to_cand = valid && !all_b0 && bk == b0;
-    if (!__any_sync(FULL, to_sel || to_cand)) return;  // common case: nothing here
-    const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
-    append(L_sel, L_nsel, comp, to_sel, TOPK_KMAX);
-    if (store_cand) append(L_cand, L_ncand, comp, to_cand, TOPK_CAP);
-    if (to_cand) {
-      a_and &= key;
-      a_or |= key;
-    }
-  });
-#endif
-  if (!all_b0) {  // block-uniform
-    const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
-    if (lane == 0) {
-      sp_and(cl_map(smem_u32(&S.and_hi), 0), ah);
-      sp_or(cl_map(smem_u32(&S.or_hi), 0), oh);
-    }
-  }
-  cl_sync();  // all appends visible at the leader; nobody reads a peer's smem after this
-  if (rank != 0) return;
-
   // ---- leader: refine the threshold inside bin b0 (radix select over the composite key)
   if (!all_b0) {
     // candidates agree on every composite bit >= hib: key bits above the highest differing
@@ -673,3 +569,265 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
     os[j] = sc;
   }
 }
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kernel(
+    const float* __restrict__ logits,      // [rows, >= ncols], row stride row_stride (elements)
+    i64 row_stride, i32 ncols,
+    const i32* __restrict__ lengths,       // [rows] end of the valid range (clamped to [0, ncols])
+    const i32* __restrict__ starts,        // [rows] start of the valid range, or unused
+    i32 has_starts,
+    const i32* __restrict__ block_table,   // [B, max_blocks] or unused
+    i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt,
+    i32 k,                                 // 1..2048
+    i32 rows,
+    i32* __restrict__ out_idx,             // [rows, k]
+    float* __restrict__ out_score) {       // [rows, k]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  TopkSmem& S = *reinterpret_cast<TopkSmem*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31;
+  const i64 row = blockIdx.x / TOPK_CLUSTER;
+  const u32 rank = cl_rank();
+  if (row >= rows) return;  // cluster-uniform (whole clusters only): harmless over-launch guard
+
+  int hi = lengths[row];
+  hi = hi < 0 ? 0 : (hi > ncols ? ncols : hi);
+  int lo = has_starts ? starts[row] : 0;
+  lo = lo < 0 ? 0 : (lo > hi ? hi : lo);
+  const float* __restrict__ rowp = logits + row * row_stride;
+  const u32 kk0 = (u32)k;
+
+  // this CTA's slice of the row, in groups of 4 positions
+  const int g_lo = lo >> 2, g_hi = (hi + 3) >> 2, ng = g_hi - g_lo;
+  const int per = (ng + TOPK_CLUSTER - 1) / TOPK_CLUSTER;
+  const int my_lo = g_lo + min((int)rank * per, ng);
+  const int my_hi = g_lo + min((int)rank * per + per, ng);
+
+  for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
+  if (tid == 0) {
+    S.n_sel = 0u; S.n_cand = 0u;
+    S.and_hi = 0xFFFFFFFFu;
+    S.or_hi = 0u;
+  }
+  __syncthreads();
+
+  // ---- pass A: bucket histogram of this slice
+  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid) {
+    hist_add(S.hist, bucket, valid);
+  });
+  cl_sync();  // histograms complete (and leader counters initialized) cluster-wide
+
+  // ---- merged histogram -> bin b0 of the k-th best
+  u32 c[TOPK_BPT];
+  {
+    const u32 hbase = smem_u32(S.hist);
+#pragma unroll
+    for (int j = 0; j < TOPK_BPT; ++j) {
+      const u32 bin = TOPK_NBINS - 1 - (tid * TOPK_BPT + j);
+      u32 s = 0;
+#pragma unroll
+      for (int r = 0; r < TOPK_CLUSTER; ++r) s += sp_ld(cl_map(hbase + 4u * bin, (u32)r));
+      c[j] = s;
+    }
+  }
+  select_bin(S, c, kk0);
+  const int b0 = S.res_bin;          // -1: fewer than k selectable -> take all
+  const u32 above0 = S.res_above, cnt0 = S.res_cnt;
+  const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
+  const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
+
+  // ---- pass B: append the sure winners and the b0 candidates to the leader
+  const u32 L_sel = cl_map(smem_u32(S.sel), 0), L_cand = cl_map(smem_u32(S.cand), 0);
+  const u32 L_nsel = cl_map(smem_u32(&S.n_sel), 0), L_ncand = cl_map(smem_u32(&S.n_cand), 0);
+  u32 a_and = 0xFFFFFFFFu, a_or = 0u;  // AND / OR of the b0 candidates' key32
+#if TOPK_APPEND
+  scan_groups_blk<TOPK_UNROLL>(rowp, my_lo, my_hi, lo, hi, [&](auto&& get) {
+    u32 fa = 0u, fb = 0u;
+#pragma unroll
+    for (int s = 0; s < 4 * TOPK_UNROLL; ++s) {
+      u32 key, bucket;
+      int p;
+      bool valid;
+      get(s, key, p, bucket, valid);
+      const int bk = (int)bucket;
+      if (valid && (bk > b0 || (all_b0 && bk == b0))) fa |= 1u << s;
+      if (valid && !all_b0 && bk == b0) {
+        a_and &= key;
+        a_or |= key;
+        if (store_cand) fb |= 1u << s;
+      }
+    }
+    block_append2<4 * TOPK_UNROLL>(S, fa, fb, [&](int s) {
+      u32 key, bucket;
+      int p;
+      bool valid;
+      get(s, key, p, bucket, valid);
+      return ((u64)key << 32) | (u32)(hi - 1 - p);
+    }, L_sel, L_nsel, TOPK_KMAX, L_cand, L_ncand, TOPK_CAP);
+  });
+#else
+  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
+    const int bk = (int)bucket;
+    const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
+    const bool to_cand = valid && !all_b0 && bk == b0;
+    if (!__any_sync(FULL, to_sel || to_cand)) return;  // common case: nothing here
+    const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
+    append(L_sel, L_nsel, comp, to_sel, TOPK_KMAX);
+    if (store_cand) append(L_cand, L_ncand, comp, to_cand, TOPK_CAP);
+    if (to_cand) {
+      a_and &= key;
+      a_or |= key;
+    }
+  });
+#endif
+  if (!all_b0) {  // block-uniform
+    const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
+    if (lane == 0) {
+      sp_and(cl_map(smem_u32(&S.and_hi), 0), ah);
+      sp_or(cl_map(smem_u32(&S.or_hi), 0), oh);
+    }
+  }
+  cl_sync();  // all appends visible at the leader; nobody reads a peer's smem after this
+  if (rank != 0) return;
+  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, block_table, bt_stride, block_size,
+             rows_per_seq, has_bt, out_idx, out_score);
+}
+
+
+// ------------------------------------------------------------------------------------------
+// topk_select_kernel: the same selection from a PRECOMPUTED bucket histogram (no pass A), with
+// `splits` independent CTAs per row (no cluster) so that a small batch fills the GPU.
+//   hist [rows, 2048]: per row the count of selectable entries per bucket (bucket = decode() above;
+//     kernels_dsl/indexer_paged.py's histogram epilogue computes exactly this while it writes the
+//     logits). Every CTA of a row finds b0 from it (identical result in every CTA).
+//   pass B on the CTA's slice of the row into its OWN shared buffers (warp-aggregated shared
+//     atomics: no remote counter), then one global atomicAdd per CTA and stream reserves a range
+//     of the row's global buffers gsel [rows, KMAX] / gcand [rows, CAP], copied there coalesced.
+//   ticket: barrier, then thread 0: __threadfence + atomicAdd on ctl[row].ticket (+ fence); the last
+//     CTA of the row gathers the global buffers into its shared memory and runs finish_row (refine,
+//     sort, map, write). (Measured and dropped, job fused-02: sorting all candidates instead of
+//     refining, +1.1 us at k 512 / +7 us at k 1024; PDL launch, no gain.)
+// ctl [rows, 8] u32 = {n_sel, n_cand, and, or, ticket, -, -, -} must be ZERO on entry (the provider
+// zeroes hist and ctl with one memset, a graph node). The selected set is {C >= C_k} as in
+// topk_kernel: bitwise the same output for any `splits`.
+#if TOPK_CLUSTER == 1 && defined(TOPK_SELECT)
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_select_kernel(
+    const float* __restrict__ logits, i64 row_stride, i32 ncols,
+    const i32* __restrict__ lengths,       // [rows] end of the valid range (clamped to [0, ncols])
+    const i32* __restrict__ block_table, i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt,
+    i32 k, i32 rows, i32 splits,
+    const u32* __restrict__ hist,          // [rows, 2048]
+    u32* __restrict__ ctl,                 // [rows, 8], zero on entry
+    u64* __restrict__ gsel,                // [rows, KMAX] scratch
+    u64* __restrict__ gcand,               // [rows, CAP] scratch
+    i32* __restrict__ out_idx, float* __restrict__ out_score) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  TopkSmem& S = *reinterpret_cast<TopkSmem*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31;
+  const i64 row = blockIdx.x / splits;
+  const int part = blockIdx.x - (int)row * splits;
+  if (row >= rows) return;  // block-uniform
+
+  int hi = lengths[row];
+  hi = hi < 0 ? 0 : (hi > ncols ? ncols : hi);
+  const int lo = 0;
+  const float* __restrict__ rowp = logits + row * row_stride;
+  const u32 kk0 = (u32)k;
+  u32* __restrict__ cr = ctl + row * 8;
+
+  const int g_lo = 0, g_hi = (hi + 3) >> 2, ng = g_hi - g_lo;
+  const int per = (ng + splits - 1) / splits;
+  const int my_lo = g_lo + min(part * per, ng);
+  const int my_hi = g_lo + min(part * per + per, ng);
+
+  if (tid == 0) {
+    S.n_sel = 0u; S.n_cand = 0u;
+    S.and_hi = 0xFFFFFFFFu;
+    S.or_hi = 0u;
+  }
+  u32 c[TOPK_BPT];
+  {
+    const u32* __restrict__ hrow = hist + row * TOPK_NBINS;
+#pragma unroll
+    for (int j = 0; j < TOPK_BPT; ++j) c[j] = __ldcg(hrow + (TOPK_NBINS - 1 - (tid * TOPK_BPT + j)));
+  }
+  select_bin(S, c, kk0);  // its barriers also publish the counters initialized above
+  const int b0 = S.res_bin;
+  const u32 above0 = S.res_above, cnt0 = S.res_cnt;
+  const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
+  const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
+
+  // ---- pass B on this slice, into this CTA's shared buffers
+  const u32 L_sel = smem_u32(S.sel), L_cand = smem_u32(S.cand);
+  const u32 L_nsel = smem_u32(&S.n_sel), L_ncand = smem_u32(&S.n_cand);
+  u32 a_and = 0xFFFFFFFFu, a_or = 0u;
+  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
+    const int bk = (int)bucket;
+    const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
+    const bool to_cand = valid && !all_b0 && bk == b0;
+    if (!__any_sync(FULL, to_sel || to_cand)) return;
+    const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
+    append(L_sel, L_nsel, comp, to_sel, TOPK_KMAX);
+    if (store_cand) append(L_cand, L_ncand, comp, to_cand, TOPK_CAP);
+    if (to_cand) {
+      a_and &= key;
+      a_or |= key;
+    }
+  });
+  if (!all_b0) {  // block-uniform
+    const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
+    if (lane == 0 && ah != 0xFFFFFFFFu) atomicAnd(&S.and_hi, ah);
+    if (lane == 0 && oh != 0u) atomicOr(&S.or_hi, oh);
+  }
+  __syncthreads();
+  const u32 ns = min(S.n_sel, (u32)TOPK_KMAX), nc = store_cand ? min(S.n_cand, (u32)TOPK_CAP) : 0u;
+  if (tid == 0) {
+    // one 64-bit atomic reserves both ranges: ctl[0] = selected count, ctl[1] = candidate count
+    const u64 old = (ns | nc) ? atomicAdd(reinterpret_cast<unsigned long long*>(cr), ((u64)nc << 32) | ns) : 0ull;
+    S.gb_sel = (u32)old;
+    S.gb_cand = (u32)(old >> 32);
+    if (!all_b0) {
+      if (S.and_hi != 0xFFFFFFFFu) atomicOr(cr + 2, ~S.and_hi);  // ctl starts at 0: OR of the complements
+      if (S.or_hi != 0u) atomicOr(cr + 3, S.or_hi);
+    }
+  }
+  __syncthreads();
+  {
+    const u32 bs = S.gb_sel, bc = S.gb_cand;
+    u64* __restrict__ ds = gsel + row * TOPK_KMAX;
+    u64* __restrict__ dc = gcand + row * (i64)TOPK_CAP;
+    for (u32 i = tid; i < ns; i += TOPK_THREADS)
+      if (bs + i < (u32)TOPK_KMAX) __stcg(ds + bs + i, S.sel[i]);
+    for (u32 i = tid; i < nc; i += TOPK_THREADS)
+      if (bc + i < (u32)TOPK_CAP) __stcg(dc + bc + i, S.cand[i]);
+  }
+  __syncthreads();  // the CTA's copies are ordered before thread 0's fence (cumulative) + ticket
+  if (tid == 0) {
+    __threadfence();
+    S.last = (atomicAdd(cr + 4, 1u) == (u32)(splits - 1)) ? 1u : 0u;
+    __threadfence();
+  }
+  __syncthreads();
+  if (!S.last) return;  // block-uniform
+
+  // ---- last CTA of the row: gather every CTA's entries, then refine + sort + write
+  const u32 ts = min(__ldcg(cr + 0), (u32)TOPK_KMAX);
+  const u32 tc = store_cand ? min(__ldcg(cr + 1), (u32)TOPK_CAP) : 0u;
+  const u32 and_g = ~__ldcg(cr + 2), or_g = __ldcg(cr + 3);
+  {
+    const u64* __restrict__ ss = gsel + row * TOPK_KMAX;
+    const u64* __restrict__ sc = gcand + row * (i64)TOPK_CAP;
+    for (u32 i = tid; i < ts; i += TOPK_THREADS) S.sel[i] = __ldcg(ss + i);
+    for (u32 i = tid; i < tc; i += TOPK_THREADS) S.cand[i] = __ldcg(sc + i);
+  }
+  __syncthreads();  // everyone has read S.n_sel / S.and_hi above
+  if (tid == 0) {
+    S.n_sel = ts;
+    S.n_cand = tc;
+    S.and_hi = and_g;
+    S.or_hi = or_g;
+  }
+  __syncthreads();
+  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, block_table, bt_stride, block_size,
+             rows_per_seq, has_bt, out_idx, out_score);
+}
+#endif

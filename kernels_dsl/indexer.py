@@ -5,26 +5,34 @@
   WGMMA, ReLU x w head-sum epilogue. MXFP4 and FP8 keys, next_n 1..4.
   Validated on the H200 (issue 13, GPU job idx-03: every format x next_n, block_size 128, one-hot
   decode exact, graph capture; the contract numbers in docs/benchmarks.md).
-* ``indexer_logits`` (prefill, MXFP4 keys): :class:`kernels_dsl.indexer_prefill.PrefillLogitsKernel`
-  -- persistent FP8 WGMMA over TMA-loaded key tiles shared by four math warpgroups (8 queries
-  per tile); MXFP4 keys / queries first go through :class:`kernels_dsl.indexer_fp8_rows.Fp8RowsKernel`
-  (the same exponent fold, once per row). Validated on the H200 (jobs idx-11 / idx-12: contract,
-  recall gate (b), attention cosine gate (c), graph capture). FP8-key prefill stays on the exact
-  CUDA BF16 kernel (:data:`PREFILL_VALIDATED`: the FP8 WGMMA's accumulation misses 2e-3 x the row
-  max on short rows; the BF16-operand variant meant for FP8 keys has not run on the H200 yet);
-  :func:`prefill_logits_dsl` runs the kernel for either format directly.
-* ``indexer_topk_paged`` (decode selection): :class:`DslTopkPagedComposed` -- the decode logits
-  kernel, then the ``topk`` op, two launches (NOT fused; the fused single-pass kernel is open).
+* ``indexer_logits`` (prefill, MXFP4, FP8 and NVFP4 keys): :class:`kernels_dsl.indexer_prefill.PrefillLogitsKernel`
+  -- persistent WGMMA over TMA-loaded key tiles shared by four math warpgroups (8 queries per
+  tile). MXFP4 keys / queries first go through :class:`kernels_dsl.indexer_fp8_rows.Fp8RowsKernel`
+  (the same exponent fold, once per row) and run on E4M3 operands (exact products); FP8 keys are
+  widened exactly to BF16 and run on BF16 operands with full FP32 accumulation (the E4M3-operand
+  FP8 WGMMA keeps ~14 accumulator bits: 2.28e-3 x the row max on a short-row case, outside the 2e-3
+  contract -- exactly what DeepGEMM's ``fp8_mqa_logits`` gives on the same bytes, job idx-15).
+  Validated on the H200: MXFP4 jobs idx-11 / idx-12 (contract, recall gate (b), attention cosine
+  gate (c), graph capture); FP8 job idx-14 (``pytest -m gpu tests/test_indexer_dsl.py -k prefill``:
+  3.0e-7 / 3.3e-7 x row max vs fp64, 3160 us at 8192 x 16384 causal vs 7090 us for the exact CUDA
+  kernel, DeepGEMM FP8 1834 us, job idx-15); NVFP4 (BF16 operands after ``dequant_fp4``) job lead-38.
+* ``indexer_topk_paged`` (decode selection): :class:`DslTopkPagedFused` -- where the batch gives the
+  select kernel >= 4 CTAs per row (B * next_n <= 33), the decode logits kernel with a selection-
+  histogram epilogue, then ``topk_select_kernel`` (kernels_cuda/topk.cu, no histogram pass); else the
+  logits kernel, then the ``topk`` op. Bitwise the two ops in sequence (jobs fused-01 / fused-02).
 
-NVFP4 keys stay on the ``cuda`` provider: an E2M1 x E4M3-scale product needs up to 6
-significand bits and is not an E4M3 value, so NVFP4 has no exact FP8 operand and rounding it
-to E4M3 would break the precision contract (dsv4/ops/indexer.py); the CUDA kernel decodes it
-exactly to BF16.
+NVFP4 keys: an E2M1 x E4M3-scale product needs up to 6 significand bits and is not an E4M3
+value, so NVFP4 has no exact FP8 operand (rounding it to E4M3 would break the precision contract,
+dsv4/ops/indexer.py). Prefill runs them on the BF16-operand kernel (``prefill_logits_dsl``:
+``dequant_fp4`` to BF16, exact, then BF16 WGMMA; the only prefill provider besides torch); decode
+stays on the ``cuda`` provider (the CUDA kernel decodes them exactly to BF16) because the DSL decode
+kernel has only its FP8 register-sourced WGMMA path.
 
 Configs (:class:`PagedConfig`) are frozen dataclasses chosen by :func:`paged_config` from the
 format and next_n: ring depth from the shared-memory budget of ``ctas_per_sm`` CTAs per SM,
-``ctas_per_sm`` from the kernel's register count (ptxas, sm_90a, no spills: next_n 1: 128
-registers under the 3-CTA bound (mxfp4 and fp8); next_n 2..4: 165-168).
+``ctas_per_sm`` from the kernel's register count (ptxas, sm_90a, no spills: MXFP4 next_n 1: 96
+registers under the 4-CTA bound; FP8 next_n 1 and next_n 2..4 with the weights in smem: 122-128
+under the 3-CTA bound; FP8 next_n 3, 4: 166-168 at 2 CTAs).
 """
 from __future__ import annotations
 
@@ -38,13 +46,15 @@ from dsv4.registry import Support
 from ._compile import DslProvider, compile_cached, compile_options, dl, dsl_target_support, launch_on
 
 __all__ = ["PagedConfig", "paged_config", "paged_smem_bytes", "DslPagedLogits", "DslLogits", "prefill_logits_dsl",
-           "DslTopkPagedComposed", "PREFILL_VALIDATED", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
+           "DslTopkPagedFused", "hist_config", "FUSED_MIN_SPLITS", "PREFILL_VALIDATED", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
 
 #: what every compiled decode variant's PTX contains (tests/test_compile_dsl.py)
 PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3",
                 r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes",
                 r"mbarrier\.try_wait\.parity", r"fence\.proxy\.async")
 DSL_FORMATS = ("mxfp4", "fp8")
+#: key formats of the prefill kernel (NVFP4 on BF16 operands, see :func:`prefill_logits_dsl`)
+PREFILL_FORMATS = ("mxfp4", "fp8", "nvfp4")
 SMEM_PER_SM = 228 * 1024          # H100 / H200: 228 KiB per SM, 1 KiB reserved per CTA
 MAX_SMEM_PER_CTA = 227 * 1024
 
@@ -70,16 +80,30 @@ def paged_smem_bytes(fmt: str, next_n: int, stages: int) -> int:
 
 
 def paged_config(fmt: str, next_n: int) -> PagedConfig:
-    """Heuristic: CTAs per SM from the register budget (3 for next_n = 1, else 2), then the
-    deepest ring (<= 12 tiles) that fits that many CTAs in 228 KiB."""
-    ctas = 3 if next_n == 1 else 2
-    budget = min(MAX_SMEM_PER_CTA, SMEM_PER_SM // ctas - 2048)
-    st = 2
-    for cand in range(12, 1, -1):
-        if paged_smem_bytes(fmt, next_n, cand) <= budget:
-            st = cand
-            break
-    return PagedConfig(fmt, next_n, st, ctas)
+    """Heuristic: CTAs per SM from the register budget, then the deepest ring (<= 12 tiles) that
+    fits that many CTAs in 228 KiB.
+
+    * MXFP4 next_n 1: 4 CTAs (96 registers: accumulator + two A fragments + weights, no spills;
+      job decode-02: 40.3 us vs 42.1 us with 3 at B = 32 x 32768, 147 vs 154 us at B = 128).
+      Validated on the H200 with these configs: job decode-03 (``pytest -m gpu
+      tests/test_indexer_dsl.py -k paged``: 13 passed; logits bitwise those of the previous configs).
+    * FP8 next_n 1: 3 (4 would leave 4 ring stages: no gain, decode-02).
+    * next_n >= 2: 3 with the head weights re-read from smem per tile (``w_regs`` off, 128
+      registers) when at least 4 ring stages fit (MXFP4 next_n 2: 59.4 vs 63.4 us with 2, next_n 4:
+      96.1 vs 106.7 us; FP8 next_n 2: 51.1 vs 52.4 us; jobs decode-01 / -02), else 2 (FP8 next_n 3, 4).
+    """
+    def stages_for(ctas: int) -> int:
+        budget = min(MAX_SMEM_PER_CTA, SMEM_PER_SM // ctas - 2048)
+        for cand in range(12, 1, -1):
+            if paged_smem_bytes(fmt, next_n, cand) <= budget:
+                return cand
+        return 0
+
+    if next_n == 1:
+        ctas = 4 if fmt == "mxfp4" else 3
+    else:
+        ctas = 3 if stages_for(3) >= 4 else 2
+    return PagedConfig(fmt, next_n, max(2, stages_for(ctas)), ctas)
 
 
 def _paged_fake_args(cfg: PagedConfig):
@@ -94,14 +118,15 @@ def _paged_fake_args(cfg: PagedConfig):
     lens = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
     bt = make_fake_compact_tensor(Int32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
     out = make_fake_compact_tensor(Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
-    return (q, qs, w, c, lens, bt, out, Int32(1), Int32(1), Int32(64), Int32(64), Int32(132), make_fake_stream())
+    hist = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    return (q, qs, w, c, lens, bt, out, hist, Int32(1), Int32(1), Int32(64), Int32(64), Int32(132), make_fake_stream())
 
 
-def _compile_paged(cfg: PagedConfig, arch: str, extra: str = ""):
+def _compile_paged(cfg: PagedConfig, arch: str, extra: str = "", hist: bool = False):
     import cutlass.cute as cute
 
     from .indexer_paged import PagedLogitsKernel
-    kern = PagedLogitsKernel(cfg.fmt, cfg.next_n, stages=cfg.stages, ctas_per_sm=cfg.ctas_per_sm)
+    kern = PagedLogitsKernel(cfg.fmt, cfg.next_n, stages=cfg.stages, ctas_per_sm=cfg.ctas_per_sm, hist=hist)
     return cute.compile(kern, *_paged_fake_args(cfg), options=compile_options(arch, extra))
 
 
@@ -123,9 +148,12 @@ def compile_paged_all(dump_dir: Optional[str] = None, arch: str = "sm_90a", vari
 
 
 def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[str, str]:
-    """The provider's default decode specialization (MXFP4, next_n 1) through its config path
-    (tests/test_compile_dsl.py; every variant: kernels_dsl.indexer_paged.compile_check)."""
-    return compile_paged_all(dump_dir, arch, [("mxfp4", 1)])
+    """The providers' default decode specializations (MXFP4, next_n 1; plain and with the selection
+    histogram of ``indexer_topk_paged``) through their config paths (tests/test_compile_dsl.py;
+    every variant: kernels_dsl.indexer_paged.compile_check)."""
+    res = compile_paged_all(dump_dir, arch, [("mxfp4", 1)])
+    res.update(compile_hist_check(dump_dir, arch, [("mxfp4", 1)]))
+    return res
 
 
 def _aligned(t, align: int = 16):
@@ -143,10 +171,12 @@ def _sm_count(device) -> int:
 
 class _DslBase(DslProvider):
 
-    def _target(self, problem, target) -> Support | None:
+    def _target(self, problem, target, nvfp4: bool = False) -> Support | None:
         no = dsl_target_support(target, "WGMMA kernels are compiled for sm_90a only")
         if no is not None:
             return no
+        if problem.get("fmt") == "nvfp4" and nvfp4:
+            return None
         if problem.get("fmt") == "nvfp4":
             return Support.no("dsl: NVFP4 keys have no exact FP8 operand (E2M1 x E4M3 scale needs 6 significand "
                               "bits); the cuda provider decodes them exactly to BF16")
@@ -195,23 +225,26 @@ class DslPagedLogits(_DslBase):
 
         t = dl
         grid = cfg.ctas_per_sm * _sm_count(q_data.device)
-        args = (t(qd, 16), t(qs, 16), t(wv, 16), t(cv, 16), t(lv, 4), t(btv, 4), t(out, 4),
+        args = (t(qd, 16), t(qs, 16), t(wv, 16), t(cv, 16), t(lv, 4), t(btv, 4), t(out, 4), t(lv, 4),
                 Int32(B), Int32(nb), Int32(bs), Int32(max_ctx), Int32(grid))
         launch_on(q_data.device, fn, *args)
         return out
 
 
-def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxfp4", operand: str | None = None):
+def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxfp4", operand: str | None = None,
+                       q_global=None, k_global=None):
     """Prefill indexer logits on the DSL kernels (kernels_dsl/indexer_prefill.py); same arguments
-    and result as :func:`dsv4.ops.indexer.indexer_logits` for ``fmt`` in ``{"mxfp4", "fp8"}`` (CUDA
-    tensors, already validated by the op).
+    and result as :func:`dsv4.ops.indexer.indexer_logits` for ``fmt`` in ``{"mxfp4", "fp8", "nvfp4"}``
+    (CUDA tensors, already validated by the op).
 
     ``operand`` (the WGMMA input type): ``"e4m3"`` (default for MXFP4: rows folded to E4M3 by
     kernels_dsl/indexer_fp8_rows.py, exact products) or ``"bf16"`` (default for FP8 keys: E4M3
-    values widened exactly to BF16, BF16 WGMMA with full FP32 accumulation; FP8 keys through the
+    values widened exactly to BF16, BF16 WGMMA with full FP32 accumulation; the only operand of
+    NVFP4 keys: q and K decoded exactly to BF16 by ``dequant_fp4``, the product of the global scales
+    ``q_global * k_global`` (float32 [1] each, required, > 0) applied per key after the head sum; FP8 keys through the
     FP8 WGMMA, ``operand="e4m3"``, keep only ~14 accumulator bits: 2.28e-3 x the row max on short
     rows in job idx-11, outside the op's 2e-3 contract). The ``dsl`` provider of ``indexer_logits``
-    (:class:`DslLogits`) calls this for the formats in :data:`PREFILL_VALIDATED`. Two launches
+    (:class:`DslLogits`) calls this for the formats in :data:`PREFILL_VALIDATED`. A few launches
     (operand conversion of q and K, then the GEMM kernel); no host sync, graph-capturable.
     """
     import torch
@@ -222,12 +255,14 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
 
     from .indexer_fp8_rows import mxfp4_rows_to_fp8
     from .indexer_prefill import QUNIT, compile_prefill
-    if fmt not in DSL_FORMATS:
-        raise ValueError(f"prefill_logits_dsl: fmt must be one of {DSL_FORMATS}, got {fmt!r}")
+    if fmt not in PREFILL_FORMATS:
+        raise ValueError(f"prefill_logits_dsl: fmt must be one of {PREFILL_FORMATS}, got {fmt!r}")
     operand = operand or ("e4m3" if fmt == "mxfp4" else "bf16")
-    if (fmt, operand) not in (("mxfp4", "e4m3"), ("fp8", "e4m3"), ("fp8", "bf16")):
+    if (fmt, operand) not in (("mxfp4", "e4m3"), ("fp8", "e4m3"), ("fp8", "bf16"), ("nvfp4", "bf16")):
         raise ValueError(f"prefill_logits_dsl: operand {operand!r} is not offered for fmt={fmt!r} "
-                         "(mxfp4: 'e4m3'; fp8: 'bf16' or 'e4m3')")
+                         "(mxfp4: 'e4m3'; fp8: 'bf16' or 'e4m3'; nvfp4: 'bf16')")
+    if fmt == "nvfp4" and (q_global is None or k_global is None):
+        raise ValueError("prefill_logits_dsl: fmt='nvfp4' needs q_global and k_global (float32 [1])")
     T, S = q_data.shape[0], k_data.shape[0]
     out = torch.empty((T, S), dtype=torch.float32, device=q_data.device)
     if T == 0 or S == 0:
@@ -236,6 +271,15 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
         qa, qsc = mxfp4_rows_to_fp8(q_data.reshape(T * 64, 64), q_sf.reshape(T * 64, 4))
         ka, ksc = mxfp4_rows_to_fp8(k_data, k_sf)
         qsc = qsc.view(T, 64)
+    elif fmt == "nvfp4":         # exact: E2M1 x E4M3 block scale has <= 6 significant bits
+        from dsv4.ops.dequant_fp4 import dequant_fp4
+        one = torch.ones((1,), dtype=torch.float32, device=q_data.device)
+        qa = dequant_fp4(_aligned(q_data).view(T * 64, 64), _aligned(q_sf).view(T * 64, 8).view(torch.float8_e4m3fn),
+                         fmt="nvfp4", global_scale=one)
+        ka = dequant_fp4(_aligned(k_data), _aligned(k_sf).view(torch.float8_e4m3fn), fmt="nvfp4", global_scale=one)
+        # global decode scales (> 0) commute with ReLU: applied once per key after the head sum
+        ksc = (q_global.float().reshape(1) * k_global.float().reshape(1)).expand(S).contiguous()
+        qsc = None
     else:
         qa = _aligned(q_data).view(T * 64, 128)
         ka = _aligned(k_data)
@@ -264,64 +308,174 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
     return out
 
 
-#: Key formats whose prefill passed its GPU gates on the H200 (jobs idx-11 / idx-12, 2026-12-01: MXFP4
-#: max error 4.5e-7 x row max vs fp64 on the same values, recall (b) identical to the exact CUDA path,
-#: graph capture; idx-12: this 4-warpgroup kernel, bitwise the logits of the idx-11 version, and
-#: tests/test_indexer.py's prefill / recall / cosine gates with it as the default). FP8 keys are NOT in it: the FP8 WGMMA accumulation (K = 128 in one chain, ~14
-#: bits kept, as in DeepGEMM) reached 2.28e-3 x the row max on a short-row case (contract: 2e-3);
-#: FP8 keys now go to the BF16-operand variant (exact widening, full FP32 accumulation), which is
-#: compiled and compile-checked but has NOT run on the H200 (the device budget ran out before job
-#: idx-14): add "fp8" here once ``pytest -m gpu tests/test_indexer_dsl.py -k prefill`` passes on it.
-#: Until then FP8 prefill stays on the exact CUDA BF16 kernel. ``DSV4_RUN_UNVALIDATED=1`` lets the
-#: registry pick the kernel for the other formats too (validation jobs only).
-PREFILL_VALIDATED = ("mxfp4",)
+#: Key formats whose prefill passed its GPU gates on the H200, 2026-12-01: MXFP4 (jobs idx-11 /
+#: idx-12: max error 4.5e-7 x row max vs fp64 on the same values, recall (b) identical to the exact
+#: CUDA path, graph capture, tests/test_indexer.py's prefill / recall / cosine gates with it as the
+#: default) and FP8 keys on the BF16-operand variant (job idx-14: 3.0e-7 packed sequences, 3.3e-7
+#: short rows, graph capture) and NVFP4 keys on the same BF16 variant (job lead-38: the op's prefill,
+#: exhaustive E2M1 and out-of-range gates of tests/test_indexer.py through the registry, 7.0e-7 max
+#: relative difference to the exact CUDA kernel it replaced, 1.48x faster at 8192 x 16384 causal).
+#: ``DSV4_RUN_UNVALIDATED=1`` lets the registry pick the kernel for a format outside this list
+#: (validation jobs only).
+PREFILL_VALIDATED = ("mxfp4", "fp8", "nvfp4")
 
 
 class DslLogits(_DslBase):
     describe = ("CuTe DSL PrefillLogitsKernel: persistent, TMA key tiles shared by 4 math warpgroups (8 queries per "
-                "tile), WGMMA m64n128k32 E4M3, ReLU x w head sum; MXFP4 rows folded to FP8 once (Fp8RowsKernel)")
+                "tile), ReLU x w head sum; MXFP4: rows folded to FP8 once (Fp8RowsKernel), WGMMA m64n128k32 E4M3; "
+                "FP8 keys: widened to BF16, WGMMA m64n128k16 BF16")
 
     def supports(self, problem, target):
-        no = self._target(problem, target)
+        no = self._target(problem, target, nvfp4=True)
         if no is not None:
             return no
         from dsv4.config import env_flag
         if problem["fmt"] not in PREFILL_VALIDATED and not env_flag("DSV4_RUN_UNVALIDATED"):
-            return Support.no("dsl: FP8-key prefill: the FP8-WGMMA variant misses the 2e-3 x row-max bound on short "
-                              "rows (2.28e-3, job idx-11); the exact BF16-operand variant has not run on the H200 yet")
+            return Support.no(f"dsl: {problem['fmt']} prefill has not passed its GPU gates (PREFILL_VALIDATED)")
+        if problem["fmt"] == "fp8":
+            return Support.yes("sm_90a, FP8 keys widened exactly to BF16 (BF16 WGMMA, full FP32 accumulation)")
+        if problem["fmt"] == "nvfp4":
+            return Support.yes("sm_90a, NVFP4 keys decoded exactly to BF16 (dequant_fp4), BF16 WGMMA, global scales "
+                               "in the epilogue")
         return Support.yes("sm_90a, MXFP4 keys (E2M1 folded to E4M3: exact products; FP32 promotion of the row scales)")
 
     def run(self, problem, *, q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global):
-        return prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, fmt=problem["fmt"])
+        return prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, fmt=problem["fmt"], q_global=q_global,
+                                  k_global=k_global)
 
 
-class DslTopkPagedComposed(DslPagedLogits):
-    """``indexer_topk_paged`` as two launches on the device, NOT fused: the DSL decode logits kernel
-    writes ``[B*next_n, max_ctx]`` fp32 logits to HBM, then the ``topk`` op (its registry choice,
-    the CUDA radix kernel on sm_90a) selects from them (mapping through block_table in the same
-    launch). No host sync, graph-capturable. tests/test_indexer_topk_paged.py's GPU tests passed on
-    the H200 (job idx-12: bitwise the two ops in sequence, recall >= 99.5% vs the exact selection,
-    graph capture). What is left (issue 13 item 2): the fused single-pass kernel that keeps each
-    CTA's candidates on chip and merges them in a final pass."""
+def hist_config(fmt: str, next_n: int) -> PagedConfig:
+    """Decode config of the histogram variant (``PagedLogitsKernel(hist=True)``): the heuristic's CTAs
+    per SM, the deepest ring that still fits next_n x 8 KiB of shared bucket counts more."""
+    base = paged_config(fmt, next_n)
+    budget = min(MAX_SMEM_PER_CTA, SMEM_PER_SM // base.ctas_per_sm - 2048)
+    st = base.stages
+    while st > 2 and paged_smem_bytes(fmt, next_n, st) + next_n * 2048 * 4 + 16 > budget:
+        st -= 1
+    return PagedConfig(fmt, next_n, st, base.ctas_per_sm)
 
-    describe = ("composed, not fused: DSL PagedLogitsKernel -> fp32 logits in HBM -> topk op (CUDA radix select); "
-                "no host sync")
+
+def compile_hist_check(dump_dir: Optional[str] = None, arch: str = "sm_90a", variants=None) -> dict[str, str]:
+    """CPU compile of the histogram-epilogue decode variants (default MXFP4 / FP8 next_n 1 and MXFP4
+    next_n 2); ``{"<fmt>-nn<k>-hist": PTX}``."""
+    variants = variants or [("mxfp4", 1), ("fp8", 1), ("mxfp4", 2)]
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = dump_dir or tmp
+        os.makedirs(d, exist_ok=True)
+        for fmt, nn in variants:
+            fn = _compile_paged(hist_config(fmt, nn), arch, f"--keep-ptx --dump-dir {d}", hist=True)
+            res[f"{fmt}-nn{nn}-hist"] = fn.__ptx__
+    return res
+
+
+#: the fused path runs when ``topk_select_kernel`` gets at least this many CTAs per row
+#: (kernels_cuda.topk.select_splits: B * next_n <= 33 on 132 SMs at >= 8192 entries). Measured on the
+#: H200 (job fused-03, k = 512, x = time / logits alone): B=32 x 32768 MXFP4 fused 1.62x vs composed
+#: 1.80x, FP8 1.49x vs 1.78x, B=16 next_n 2 1.72x vs 1.95x; with fewer CTAs per row the select kernel is
+#: slower than the topk op: B=128 (1 CTA per row) fused 1.32x vs composed 1.25x, uneven B=64 (2 per
+#: row) 1.61x vs 1.50x -- those batches take the composed path.
+FUSED_MIN_SPLITS = 4
+
+
+class DslTopkPagedFused(DslPagedLogits):
+    """``indexer_topk_paged`` on the DSL decode kernel, fused where that wins (:data:`FUSED_MIN_SPLITS`).
+
+    Fused path: the DSL logits kernel with its selection-histogram epilogue
+    (``PagedLogitsKernel(hist=True)``: while it stores the fp32 logits, every CTA counts the row's
+    selectable logits per bucket of kernels_cuda/topk.cu in shared memory and adds the non-zero bins
+    to a ``[B * next_n, 2048]`` global histogram at each sequence end), then ONE selection launch,
+    ``topk_select_kernel`` (kernels_cuda/topk.cu): no histogram pass over the logits (still stored,
+    L2-resident), the threshold bucket from the histogram, the row's winners and threshold-bucket
+    candidates gathered by ``select_splits`` CTAs per row, the last CTA of each row (atomic ticket)
+    refines the threshold, sorts and maps. One memset (histogram + control words, a graph node) + 2
+    launches. Composed path (:meth:`run_composed`, also for ``max_ctx % 4 != 0``): the plain logits
+    kernel, then the ``topk`` op. Either way the contract is the ``topk`` op's on the same logits
+    (score desc, ties by lower index, -1 padding, block_table mapping, deterministic) and the result is
+    bitwise the two ops in sequence (jobs fused-01 / fused-02 / fused-03 on the H200: k 512 / 1024,
+    uneven lengths 1..128k, next_n 2, FP8 and MXFP4, block_size 64 / 128, mapping, invalid pages,
+    all-equal logits, rows shorter than k, splits 1..16, 512 / 1024 threads; the epilogue's histogram
+    equals the torch bucket histogram; ``pytest -m gpu tests/test_indexer_topk_paged.py``: 8 passed in
+    fused-03). No host sync, graph-capturable.
+
+    Measured (H200, CUDA-graph replay, k 512, job fused-03): B=32 x 32768 MXFP4 next_n 1: logits 39.3 us,
+    composed 70.7, this op 63.9 (1.63x logits; the issue's target 1.15x is MISSED); FP8 keys 40.2 / 71.7
+    / 59.8 (1.49x). Where the time goes (job fused-02, logits then 43.6 us): the histogram epilogue
+    +3.0 us, the memset +1.4 us, the select kernel ~19 us, of it standalone 6.9 us to the end of its
+    candidate pass, 9.0 to the ticket, 16.6 with the last CTA's refine + sort + write (latency chains,
+    not bandwidth: more CTAs per row did not help). Measured and dropped: sorting all candidates instead
+    of refining (+1.1 us at k 512, +7 us at k 1024), a PDL launch of the select kernel (no gain), a
+    persistent self-cleaning workspace instead of the memset (-1.0 us, but unsafe for concurrent streams).
+    """
+
+    describe = ("DSL PagedLogitsKernel + bucket-histogram epilogue -> topk_select_kernel (CUDA: no histogram pass, "
+                ">= 4 CTAs per row, last CTA per row sorts); else logits kernel + topk op; no host sync")
 
     def supports(self, problem, target):
         s = super().supports(problem, target)
         if not s:
             return s
-        return Support.yes("sm_90a, MXFP4 / FP8 keys: DSL logits kernel + topk op (2 launches, not fused)")
+        if not 1 <= problem["k"] <= 2048:
+            return Support.no(f"dsl: k={problem['k']} outside 1..2048")
+        return Support.yes("sm_90a, MXFP4 / FP8 keys: logits kernel (+ selection histogram) + select kernel")
 
-    def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
+    def use_fused(self, rows: int, max_ctx: int, device) -> bool:
+        """The fused path for ``rows`` logit rows of ``max_ctx`` columns (:data:`FUSED_MIN_SPLITS`)."""
+        from kernels_cuda.topk import select_splits
+        return max_ctx % 4 == 0 and select_splits(rows, max_ctx, _sm_count(device)) >= FUSED_MIN_SPLITS
+
+    def run_composed(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
+        """The two ops in sequence: DSL logits kernel, then the ``topk`` op."""
         from dsv4.ops.topk import topk
-        logits = super().run(problem, q_data=q_data, q_sf=q_sf, w=w, cache=cache, lens=lens,
-                             block_table=block_table, q_global=q_global, k_global=k_global)
+        logits = DslPagedLogits.run(self, problem, q_data=q_data, q_sf=q_sf, w=w, cache=cache, lens=lens,
+                                    block_table=block_table, q_global=q_global, k_global=k_global)
         mapped = problem["mapped"]
         return topk(logits, lens.reshape(-1), problem["k"], block_table=block_table if mapped else None,
                     block_size=problem["block_size"] if mapped else 0, rows_per_seq=problem["next_n"],
                     return_scores=True)
 
+    def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fused=None,
+            splits=None, threads=512):
+        """``fused`` / ``splits`` / ``threads``: force a path / the select kernel's CTAs per row and
+        block size (tests, bench); default: :meth:`use_fused`, ``select_splits``, 512."""
+        import torch
+        from cutlass import Int32
+
+        from dsv4.target import Target
+        from kernels_cuda.topk import select_workspace, topk_select_cuda
+        fmt = problem["fmt"]
+        B, nn = q_data.shape[:2]
+        max_ctx, k = problem["max_ctx"], problem["k"]
+        kw = dict(q_data=q_data, q_sf=q_sf, w=w, cache=cache, lens=lens, block_table=block_table,
+                  q_global=q_global, k_global=k_global)
+        rows = B * nn
+        dev = q_data.device
+        if fused is None:
+            fused = B > 0 and self.use_fused(rows, max_ctx, dev)
+        if not fused or B == 0 or max_ctx % 4:
+            return self.run_composed(problem, **kw)
+        out = torch.empty((rows, max_ctx), dtype=torch.float32, device=dev)
+        ws = select_workspace(rows, dev)
+        lv = lens.contiguous().view(-1)
+        nb, bs = cache.shape[0], cache.shape[1]
+        if nb == 0:   # no page can be read: every logit is -inf, the histogram stays empty
+            out.fill_(float("-inf"))
+        else:
+            cfg = hist_config(fmt, nn)
+            arch = Target.of(dev).arch
+            fn = compile_cached(("indexer_paged_hist", cfg, arch), lambda: _compile_paged(cfg, arch, hist=True))
+            qd = _aligned(q_data).view(-1)
+            qs = _aligned(q_sf).view(-1) if fmt == "mxfp4" else qd
+            t = dl
+            grid = cfg.ctas_per_sm * _sm_count(dev)
+            args = (t(qd, 16), t(qs, 16), t(_aligned(w).view(-1), 16), t(_aligned(cache).view(nb, -1), 16), t(lv, 4),
+                    t(block_table.contiguous(), 4), t(out, 4), t(ws, 4),
+                    Int32(B), Int32(nb), Int32(bs), Int32(max_ctx), Int32(grid))
+            launch_on(dev, fn, *args)
+        mapped = problem["mapped"]
+        return topk_select_cuda(out, lv, ws, k, block_table if mapped else None, bs if mapped else 0, nn,
+                                splits=splits, threads=threads)
+
 
 PROVIDERS = {"indexer_logits_paged": DslPagedLogits, "indexer_logits": DslLogits,
-             "indexer_topk_paged": DslTopkPagedComposed}
+             "indexer_topk_paged": DslTopkPagedFused}

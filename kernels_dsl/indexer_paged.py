@@ -9,7 +9,8 @@ Contract: docs/layouts/indexer_logits_paged.md (``dsv4.ops.indexer.PAGED_SPEC``)
 Kernel structure (own code; structure learned from DeepGEMM ``sm90_fp8_paged_mqa_logits``):
 
 * Work = the 64-key tiles of every sequence (``ceil(max_i len[b, i] / 64)`` tiles for sequence
-  b), flattened sequence-major; a persistent grid of ``G`` CTAs (2-3 per SM) splits the tiles
+  b), flattened sequence-major; a persistent grid of ``G`` CTAs (2-4 per SM,
+  ``kernels_dsl.indexer.paged_config``) splits the tiles
   evenly: CTA c owns tiles ``[c D / G, (c+1) D / G)`` (D = total). The split is computed **on
   the device** by every CTA from ``context_lens`` (a warp scan over the batch; no host sync,
   graph-capturable): uneven lengths are balanced over the SMs (DeepGEMM's
@@ -28,8 +29,11 @@ Kernel structure (own code; structure learned from DeepGEMM ``sm90_fp8_paged_mqa
     ``m64n64k32`` x 4 (keys = M, the 64 heads of one query row = N, K = 128; a fixed K
     permutation, shared with the queries in the smem B operand, makes each thread's 32 dims
     contiguous), releases the ring stage (each warp reads only its own rows: no CTA barrier per
-    tile), and runs the ReLU x w head-sum epilogue on the CUDA cores (in-thread sums + a quad
-    shuffle) x the per-key scale, masked and stored. Two A fragments and two accumulators
+    tile), and runs the ReLU x w head-sum epilogue on the CUDA cores (in-thread sums + a
+    transposed 2-shuffle quad reduction) x the per-key scale, masked and stored. The E2M1 ->
+    E4M3 decode is ``fp4.e2m1x8_to_e4m3x8_sm`` (9 integer instructions per 8 codes: the signs
+    through the sign-replicate mode of ``prmt``), the fold per key a few byte extracts and
+    exponent-field operations (:meth:`PagedLogitsKernel.transform_mxfp4`). Two A fragments and two accumulators
     ping-pong: the decode of tile t+1 runs while tile t's WGMMAs fly; next_n rows pipeline
     through the two accumulators.
 * Operand formats (one FP8 dot of K = 128 per (head, key), DeepGEMM-style FP32 promotion of
@@ -46,10 +50,20 @@ Kernel structure (own code; structure learned from DeepGEMM ``sm90_fp8_paged_mqa
 Constraints: ``block_size % 64 == 0``; ``next_n`` 1..4; q_data / q_sf / w / cache base
 addresses 16-byte aligned (the provider checks and copies otherwise).
 
-Measured on the H200 (issue 13; decode B = 32 x 32768 entries): MXFP4 next_n 1 43.5 us (38.5% of
-copy bandwidth), next_n 2 67.9 us. ncu (job idx-02, next_n 1): issue-bound, IPC 2.27 of 4, 1.0
-eligible of 3.1 active warps per scheduler, ALU pipe 55% (the E2M1 decode), DRAM 26%: the next
-step is fewer integer instructions per key (decode) and more warps per SM (registers).
+Measured on the H200 (issue 13; decode B = 32 x 32768 entries, CUDA-graph replays, job decode-03:
+the committed kernel of job idx-15 in the same process, bitwise equal logits): MXFP4 next_n 1 40.0 us
+(42.0% of copy bandwidth; was 43.4), next_n 2 59.4 us (was 66.2), next_n 4 95.8 us (was 106.1); FP8
+next_n 1 40.7 us (80%, unchanged), next_n 2 50.2 us (was 51.9); MXFP4 B = 128: 147.1 us (45.7%, was
+161.7), B = 64 uneven 256..32768 entries: 44.8 us (39.7%, was 50.0). Measured and deleted (jobs
+decode-01 / -02, no gain): tile pairs whose second WGMMAs run under the first tile's epilogue; ReLU
+as ``x + |x|`` on the FMA pipe, quad-shuffle key maxima and ``mul.hi`` shifts (together -26% of
+the integer-ALU instructions, 0-1% time); 4 CTAs per SM for FP8 keys.
+ncu (decode-02, MXFP4 next_n 1, 4 CTAs): 7.4 warp cycles per issued instruction spread over
+wait 1.2 / not-selected 1.2 / dispatch 0.8 / long-scoreboard 0.6 / short-scoreboard 0.6 / math-pipe
+0.5 / gmma 0.5, DRAM 29%: no single limiter; the next step is structural (one warp less per CTA:
+the producer's work folded into a math warp for 4 CTAs at 128 registers, or 2 math warpgroups
+sharing the key tile). Cross-iteration WGMMA overlap (issue tile t+1 before tile t's epilogue,
+in flight across the loop back-edge) makes ptxas serialize every WGMMA (C7514).
 """
 from __future__ import annotations
 
@@ -65,6 +79,7 @@ try:
     from cutlass.tensor_utils import LayoutEnum
 
     from . import _indexer_ptx as ptx
+    from . import _topk_ptx as tptx
     from .sm90 import fp4
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
@@ -111,27 +126,39 @@ if _HAVE_DSL:
         * ``mLens``: Int32 ``[B * nn]`` visible entries per row.
         * ``mBT``: Int32 ``[B, max_blocks]`` block table (row stride dynamic).
         * ``mOut``: Float32 ``[B * nn, max_ctx]`` logits (row stride dynamic).
+        * ``mHist``: Int32 ``[B * nn * 2048]`` (``hist=True``): zeroed by the caller; receives per row
+          the bucket histogram of the stored selectable logits (:meth:`hist_flush`) that
+          kernels_cuda/topk.cu ``topk_select_kernel`` selects from. ``hist=False``: any Int32
+          tensor, unread.
         * ``B``, ``num_blocks``, ``block_size``, ``max_ctx``: Int32.
 
         Static: ``fmt`` (``"mxfp4"`` / ``"fp8"``), ``nn`` (next_n 1..4), ``stages`` (raw tile
         ring depth), ``ctas_per_sm`` (launch bound and grid = ctas_per_sm x SMs, passed at
-        launch as ``grid``).
+        launch as ``grid``), ``hist`` (selection-histogram epilogue, off by default: the plain
+        logits kernel is unchanged).
         """
 
-        def __init__(self, fmt: str, nn: int, stages: int = 6, ctas_per_sm: int = 2):
+        def __init__(self, fmt: str, nn: int, stages: int = 6, ctas_per_sm: int = 2, hist: bool = False,
+                     w_regs: bool | None = None):
             if fmt not in VB:
                 raise ValueError(f"fmt must be one of {sorted(VB)}, got {fmt!r}")
             if not 1 <= nn <= 4:
                 raise ValueError(f"next_n must be 1..4, got {nn}")
             self.fmt, self.nn, self.stages, self.ctas_per_sm = fmt, nn, stages, ctas_per_sm
+            self.hist = bool(hist)    # selection-histogram epilogue (indexer_topk_paged), see hist_flush
+            #: head weights held in registers (next_n 1), else re-read from smem per tile (16 x next_n fewer
+            #: registers: what lets next_n >= 2 run 3 CTAs per SM, kernels_dsl.indexer.paged_config)
+            #: (the histogram variant keeps them in registers too: at MXFP4 next_n 1 / 4 CTAs per SM ptxas
+            #: spills 248 B there; that build is the one validated and timed on the H200, job fused-03)
+            self.w_regs = (nn == 1) if w_regs is None else bool(w_regs)
             self.raw = RAW_BYTES[fmt]
             self.qv, self.qs, self.qw = _qbytes(fmt, nn)
 
         # ------------------------------------------------------------------ host side
         @cute.jit
         def __call__(self, mQ: cute.Tensor, mQsf: cute.Tensor, mW: cute.Tensor, mCache: cute.Tensor,
-                     mLens: cute.Tensor, mBT: cute.Tensor, mOut: cute.Tensor, B: Int32, num_blocks: Int32,
-                     block_size: Int32, max_ctx: Int32, grid: Int32, stream: cuda.CUstream):
+                     mLens: cute.Tensor, mBT: cute.Tensor, mOut: cute.Tensor, mHist: cute.Tensor, B: Int32,
+                     num_blocks: Int32, block_size: Int32, max_ctx: Int32, grid: Int32, stream: cuda.CUstream):
             tiled_mma = self.make_mma()
             # B: 64 heads x 128 dims E4M3 per next_n row, K-major SW128 (A = the keys, in registers)
             sB_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, 64, 128), Float8E4M3FN, self.nn)
@@ -148,9 +175,11 @@ if _HAVE_DSL:
                 raw: cute.struct.Align[cute.struct.MemRange[Uint8, S * self.raw], 128]
                 qraw: cute.struct.Align[cute.struct.MemRange[Uint8, self.qv + self.qs + self.qw], 128]
                 sB: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sB_l)], 1024]
+                # hist=True: per next_n row the 2048 bucket counts of the current sequence (else 4 B, unused)
+                hist: cute.struct.Align[cute.struct.MemRange[Uint32, self.nn * tptx.NBINS if self.hist else 4], 16]
 
             self.smem = Smem
-            self.kernel(mQ, mQsf, mW, mCache, mLens, mBT, mOut, B, num_blocks, block_size, max_ctx,
+            self.kernel(mQ, mQsf, mW, mCache, mLens, mBT, mOut, mHist, B, num_blocks, block_size, max_ctx,
                         tiled_mma, sB_l).launch(
                 grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                 preferred_smem_carveout=100)
@@ -258,28 +287,60 @@ if _HAVE_DSL:
             same permutation, so q . k is unchanged). Also the keys' fp32 scales ``rKs[h]``."""
             c = lane % 4
             r = warp * 16 + lane // 4
-            for h in cutlass.range_constexpr(2):
-                m = r + 8 * h
-                if cutlass.const_expr(self.fmt == "mxfp4"):
-                    u = ptx.ld_shared_u32(raw + TILE * 64 + m * 4)
-                    ek = self.max_exponent(u)
-                    d = Int32((u >> (Uint32(c) * 8)) & Uint32(0xFF)) - ek + 6
-                    lo, hi = fp4.e4m3_lut_shift(cutlass.max(d, Int32(fp4.SHIFT_RANGE[0])))
-                    if d < fp4.SHIFT_RANGE[0]:
-                        lo, hi = fp4.e4m3_lut(d)
-                    v = ptx.ld_shared_v4(raw + m * 64 + c * 16)
-                    for i in cutlass.range_constexpr(4):
-                        o0, o1 = fp4.e2m1x8_to_e4m3x8(v[i], lo, hi)
-                        wA[h + 4 * i] = o0
-                        wA[h + 2 + 4 * i] = o1
-                    rKs[h] = fp4.ue8m0_to_f32(Uint32(ek)) * Float32(2.0 ** -6)
-                else:
+            if cutlass.const_expr(self.fmt == "mxfp4"):
+                self.transform_mxfp4(raw, wA, rKs, c, r)
+            else:
+                for h in cutlass.range_constexpr(2):
+                    m = r + 8 * h
                     v = ptx.ld_shared_v4(raw + m * 128 + c * 32)
                     v2 = ptx.ld_shared_v4(raw + m * 128 + c * 32 + 16)
                     for q in cutlass.range_constexpr(8):
                         word = v[q] if q < 4 else v2[q - 4]
                         wA[h + 2 * (q % 2) + 4 * (q // 2)] = word
                     rKs[h] = ptx.ld_shared_f32(raw + TILE * 128 + m * 4)
+
+        @cute.jit
+        def transform_mxfp4(self, raw: Int32, wA: cute.Tensor, rKs: cute.Tensor, c: Int32, r: Int32):
+            """MXFP4 part of :meth:`transform_regs` (keys r and r + 8, block c): per key the row
+            maximum ``E`` of the 4 UE8M0 bytes (``prmt`` byte extracts) and ``d = e_c - E + 6``, the
+            shift LUT (``-5 <= d <= 6``: exponent-field add) and the key scale ``2^(E - 133)`` built
+            in the fp32 exponent field; one branch for both keys takes the exact LUT / UE8M0
+            conversion when a block sits more than 5 binades below its row maximum or ``E`` is
+            outside ``[7, 254]`` (rare). The E2M1 decode: :func:`fp4.e2m1x8_to_e4m3x8_sm` (9 integer
+            instructions per 8 codes). Bit-identical to the per-key exact fold (job decode-01)."""
+            selc = Uint32(0x4440) + Uint32(c)      # prmt selector: byte c, zero-extended
+            es = [Int32(0), Int32(0)]
+            ds = [Int32(0), Int32(0)]
+            luts = [Uint32(0), Uint32(0), Uint32(0), Uint32(0)]
+            rare = Int32(0)
+            for h in cutlass.range_constexpr(2):
+                u = ptx.ld_shared_u32(raw + TILE * 64 + (r + 8 * h) * 4)
+                b0 = Int32(u & Uint32(0xFF))
+                b1 = Int32(fp4.prmt(u, Uint32(0), Uint32(0x4441)))
+                b2 = Int32(fp4.prmt(u, Uint32(0), Uint32(0x4442)))
+                b3 = Int32(u >> 24)
+                ek = cutlass.max(cutlass.max(b0, b1), cutlass.max(b2, b3))
+                d = Int32(fp4.prmt(u, Uint32(0), selc)) - ek + 6
+                lo, hi = fp4.e4m3_lut_shift(cutlass.max(d, Int32(fp4.SHIFT_RANGE[0])))
+                luts[2 * h] = lo
+                luts[2 * h + 1] = hi
+                rKs[h] = fp4.bits_to_f32(Uint32(ek - 6) << 23)     # 2^(E - 133) for 7 <= E <= 254
+                es[h] = ek
+                ds[h] = d
+                if (d < fp4.SHIFT_RANGE[0]) | (ek < 7) | (ek > 254):
+                    rare = Int32(1)
+            if rare != 0:
+                for h in cutlass.range_constexpr(2):
+                    lo, hi = fp4.e4m3_lut(ds[h])
+                    luts[2 * h] = lo
+                    luts[2 * h + 1] = hi
+                    rKs[h] = fp4.ue8m0_to_f32(Uint32(es[h])) * Float32(2.0 ** -6)
+            for h in cutlass.range_constexpr(2):
+                v = ptx.ld_shared_v4(raw + (r + 8 * h) * 64 + c * 16)
+                for i in cutlass.range_constexpr(4):
+                    o0, o1 = fp4.e2m1x8_to_e4m3x8_sm(v[i], luts[2 * h], luts[2 * h + 1])
+                    wA[h + 4 * i] = o0
+                    wA[h + 2 + 4 * i] = o1
 
         @cute.jit
         def convert_q(self, qraw: Int32, b_base: Int32, sw_base: Int32, tidx: Int32):
@@ -323,10 +384,11 @@ if _HAVE_DSL:
         def head_sum(self, acc: cute.Tensor, rW: cute.Tensor, r: int, swp: Int32, q4: Int32):
             """ReLU x w summed over this thread's 16 heads of next_n row r (accumulator register i:
             key m0 + 8 ((i >> 1) & 1), head 8 (i >> 2) + 2 q4 + (i & 1)), then over the quad:
-            returns (v0, v1) for keys m0 = 16 warp + lane / 4 and m0 + 8 (all 4 lanes). Weights
-            from registers (next_n <= 2) or from smem (next_n >= 3, to stay below 168 registers)."""
+            returns ``(v, v)`` with v = the sum of key m0 = 16 warp + lane / 4 on even lanes, of key
+            m0 + 8 on odd lanes (lanes q4 = 0 / 1 store keys m0 / m0 + 8). Weights from registers
+            (``w_regs``: next_n 1) or from smem (next_n >= 2: 3 CTAs per SM)."""
             wv = [Float32(0.0)] * 16
-            if cutlass.const_expr(self.nn <= 2):
+            if cutlass.const_expr(self.w_regs):
                 for j in cutlass.range_constexpr(16):
                     wv[j] = rW[r * 16 + j]
             else:
@@ -342,16 +404,20 @@ if _HAVE_DSL:
                 s[2 * half + par] = s[2 * half + par] + cute.arch.fmax(acc[i], Float32(0.0)) * wv[wj]
             v0 = s[0] + s[1]
             v1 = s[2] + s[3]
-            for off in cutlass.range_constexpr(2):
-                v0 = v0 + cute.arch.shuffle_sync_bfly(v0, offset=1 << off)
-                v1 = v1 + cute.arch.shuffle_sync_bfly(v1, offset=1 << off)
-            return v0, v1
+            # transposed quad reduction: even lanes end with key m0's sum, odd lanes with m0 + 8's
+            # (2 shuffles instead of 4; the same additions in the same order as a butterfly per key)
+            odd = (q4 & 1) != 0
+            keep = cutlass.select_(odd, v1, v0)
+            keep = keep + cute.arch.shuffle_sync_bfly(cutlass.select_(odd, v0, v1), offset=1)
+            keep = keep + cute.arch.shuffle_sync_bfly(keep, offset=2)
+            return keep, keep
 
         # ------------------------------------------------------------------ the kernel
         @cute.kernel
         def kernel(self, mQ: cute.Tensor, mQsf: cute.Tensor, mW: cute.Tensor, mCache: cute.Tensor,
-                   mLens: cute.Tensor, mBT: cute.Tensor, mOut: cute.Tensor, B: Int32, num_blocks: Int32,
-                   block_size: Int32, max_ctx: Int32, tiled_mma: cute.TiledMma, sB_l: cute.ComposedLayout):
+                   mLens: cute.Tensor, mBT: cute.Tensor, mOut: cute.Tensor, mHist: cute.Tensor, B: Int32,
+                   num_blocks: Int32, block_size: Int32, max_ctx: Int32, tiled_mma: cute.TiledMma,
+                   sB_l: cute.ComposedLayout):
             tidx, _, _ = cute.arch.thread_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = cute.arch.lane_idx()
@@ -370,6 +436,13 @@ if _HAVE_DSL:
             b0p = st.sB.data_ptr().toint()
             bpt = VB[self.fmt] + SB[self.fmt]
             nct = (max_ctx + (TILE - 1)) // TILE
+            hsp = Int32(0)
+            if cutlass.const_expr(self.hist):
+                hsp = st.hist.data_ptr().toint()
+                for j in cutlass.range_constexpr(-(-self.nn * tptx.NBINS // THREADS)):
+                    if j * THREADS + tidx < self.nn * tptx.NBINS:
+                        ptx.st_shared_u32(hsp + 4 * (j * THREADS + tidx), Uint32(0))
+            hctx = (mHist, hsp)
 
             if tidx == MATH_THREADS:
                 for i in cutlass.range_constexpr(S):
@@ -467,7 +540,7 @@ if _HAVE_DSL:
                 rOk = (cute.make_rmem_tensor((1,), Int32), cute.make_rmem_tensor((1,), Int32))
                 acc_shape = thr.partition_C(cute.make_identity_tensor((TILE, 64))).shape
                 accs = (cute.make_rmem_tensor(acc_shape, Float32), cute.make_rmem_tensor(acc_shape, Float32))
-                rW = cute.make_rmem_tensor((min(nn, 2) * 16,), Float32)
+                rW = cute.make_rmem_tensor(((nn if self.w_regs else 1) * 16,), Float32)
                 rLen = cute.make_rmem_tensor((nn,), Int32)
                 n_b = Int32(0)
                 if count > 0:
@@ -488,19 +561,19 @@ if _HAVE_DSL:
                     b, t, n_b, stage, phase, qphase = self.tile_step(
                         rA[0], wA[1], rKs[0], rKs[1], rOk[0], rOk[1], accs, tCrB, rW, rLen, mLens, mOut, ring,
                         b, t, n_b, stage, phase, qphase, Int32(1), B, max_ctx, qfull, qempty, qraw, b0p, swp,
-                        tidx, lane, warp)
+                        tidx, lane, warp, hctx)
                     more = Int32(0)
                     if 2 * i2 + 2 < count:
                         more = Int32(1)
                     b, t, n_b, stage, phase, qphase = self.tile_step(
                         rA[1], wA[0], rKs[1], rKs[0], rOk[1], rOk[0], accs, tCrB, rW, rLen, mLens, mOut, ring,
                         b, t, n_b, stage, phase, qphase, more, B, max_ctx, qfull, qempty, qraw, b0p, swp,
-                        tidx, lane, warp)
+                        tidx, lane, warp, hctx)
                 if count % 2 == 1:
                     b, t, n_b, stage, phase, qphase = self.tile_step(
                         rA[0], wA[1], rKs[0], rKs[1], rOk[0], rOk[1], accs, tCrB, rW, rLen, mLens, mOut, ring,
                         b, t, n_b, stage, phase, qphase, Int32(0), B, max_ctx, qfull, qempty, qraw, b0p, swp,
-                        tidx, lane, warp)
+                        tidx, lane, warp, hctx)
 
                 # ---- tail: columns past each sequence's last data tile are -inf
                 tb = Int32(ptx.ld_shared_u32(sched + 12))
@@ -563,7 +636,7 @@ if _HAVE_DSL:
                       rLen: cute.Tensor, mLens: cute.Tensor, mOut: cute.Tensor, ring, b: Int32, t: Int32, n_b: Int32,
                       stage: Int32, phase: Int32, qphase: Int32, has_next: Int32, B: Int32, max_ctx: Int32,
                       qfull: Int32, qempty: Int32, qraw: Int32, b0p: Int32, swp: Int32, tidx: Int32, lane: Int32,
-                      warp: Int32):
+                      warp: Int32, hctx):
             """One 64-key tile: WGMMAs of its next_n rows (A = ``rA_cur``), the next tile's transform
             into the other fragment while they run (at a sequence change: after the epilogue and
             the query switch), the ReLU x w epilogue. Returns the advanced (b, t, n_b, stage,
@@ -608,12 +681,37 @@ if _HAVE_DSL:
                 if (q4 < 2) & (s < max_ctx):
                     ok = pok & (s < rLen[r])
                     mOut[b * nn + r, s] = cutlass.select_(ok, v, Float32(NEG_INF))
+                    if cutlass.const_expr(self.hist):
+                        bk = tptx.bucket_f32(v)
+                        if ok & (bk != Uint32(0xFFFFFFFF)):
+                            tptx.red_shared_add_u32(hctx[1] + (r * tptx.NBINS) * 4 + Int32(bk) * 4, Uint32(1))
+            if cutlass.const_expr(self.hist):
+                if (next_new != 0) | (has_next == 0):    # sequence b done in this CTA
+                    self.hist_flush(hctx, b, tidx)
             if next_other:
                 self.q_switch(mLens, nbq, qfull, qempty, qphase, qraw, b0p, swp, rW, rLen, tidx, lane)
                 qphase = qphase ^ 1
                 self.load_regs(ring, stage, phase, wA_next, rKs_next, rOk_next, lane, warp)
                 stage, phase = self.ring_advance(stage, phase)
             return nbq, nt, nnb, stage, phase, qphase
+
+        @cute.jit
+        def hist_flush(self, hctx, b: Int32, tidx: Int32):
+            """Selection-histogram epilogue (``hist=True``): add this CTA's bucket counts of sequence b's
+            next_n rows (smem, ``red.shared`` per stored logit) to the global ``[B * nn, 2048]`` histograms
+            (``red.global``, non-zero bins only) and zero them. Bucket = kernels_cuda/topk.cu ``decode``
+            (kernels_dsl/_topk_ptx.py); selectable = the stored logit is not -inf / NaN, i.e. exactly
+            the entries the topk op would count. Math warpgroup only; the barrier orders every
+            thread's shared adds before the reads; the next sequence's adds follow q_switch's barrier."""
+            mHist, hsp = hctx
+            ptx.named_barrier(BAR_MATH, MATH_THREADS)
+            g0 = mHist.iterator.toint() + Int64(b) * Int64(self.nn * tptx.NBINS * 4)
+            for j in cutlass.range_constexpr(self.nn * tptx.NBINS // MATH_THREADS):
+                off = (j * MATH_THREADS + tidx) * 4
+                cnt = ptx.ld_shared_u32(hsp + off)
+                if cnt != Uint32(0):
+                    tptx.red_global_add_u32(g0 + Int64(off), cnt)
+                    ptx.st_shared_u32(hsp + off, Uint32(0))
 
         @cute.jit
         def q_switch(self, mLens: cute.Tensor, b: Int32, qfull: Int32, qempty: Int32, qphase: Int32, qraw: Int32,
@@ -629,7 +727,7 @@ if _HAVE_DSL:
                 ptx.mbar_arrive(qempty)
             for r in cutlass.range_constexpr(self.nn):
                 rLen[r] = Int32(mLens[b * self.nn + r])
-                if cutlass.const_expr(self.nn <= 2):
+                if cutlass.const_expr(self.w_regs):
                     for j in cutlass.range_constexpr(16):
                         hh = 8 * (j // 2) + 2 * (lane % 4) + (j % 2)
                         rW[r * 16 + j] = ptx.ld_shared_f32(swp + (r * 64 + hh) * 4)

@@ -9,7 +9,8 @@ ring depth -- is picked per problem by :func:`kernels_dsl.sm90.config.choose`, w
 
 The registry default for prefill-sized groups (> 16 rows per expert on average: the cuda provider,
 asked first, declines them; kernels_cuda/moe.py): GPU tests passed on the H200 (jobs moe-11,
-moe-12), Flash MXFP4 W4A8 GEMM1 + GEMM2 1.29-1.48x moe.cu v4 (moe-12: T=4096 2924 us = 423 TFLOP/s).
+moe-12, moe-13; every class again in moe-23), Flash MXFP4 W4A8 GEMM1 + GEMM2 T=4096 2586 us = 478
+TFLOP/s (moe-23; 2950 us before the stage pairing + W4A8 decode / register changes of moe-21..23).
 Decode-sized groups go to cuda's moe_decode.cu (1.5-1.7x this kernel there, moe-12); force this one
 with ``registry.use(moe_gemm1_swiglu="dsl", moe_gemm2="dsl")`` or ``DSV4_OPS``.
 
@@ -145,7 +146,7 @@ class _DslMoEBase(DslProvider):
 
 
 class DslMoEGemm1(_DslMoEBase):
-    describe = ("CuTe DSL Fp4GroupedGemmKernel stage 1: TMA ring, prmt E2M1 decode warps, WGMMA m64n128 "
+    describe = ("CuTe DSL Fp4GroupedGemmKernel stage 1: TMA ring, consumer-side prmt E2M1 decode, WGMMA m64n128 "
                 "(FP8 with per-128-K fp32 promotion / BF16), clamped SwiGLU * route_w (+ FP8 1x128 UE8M0 requant)")
     stage = 1
 
@@ -172,7 +173,7 @@ class DslMoEGemm1(_DslMoEBase):
 
 
 class DslMoEGemm2(_DslMoEBase):
-    describe = ("CuTe DSL Fp4GroupedGemmKernel stage 2: TMA ring, prmt E2M1 decode warps, WGMMA m64n128 "
+    describe = ("CuTe DSL Fp4GroupedGemmKernel stage 2: TMA ring, consumer-side prmt E2M1 decode, WGMMA m64n128 "
                 "(FP8 with per-128-K fp32 promotion / BF16), fp32 rows")
     stage = 2
 

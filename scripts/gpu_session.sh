@@ -43,5 +43,4 @@ step "bench topk (both schemes)" 90 $PY bench/bench_topk.py --json "$OUT/topk.js
 step "bench dequant_fp4" 60 $PY bench/bench_dequant_fp4.py --json "$OUT/dequant.json"
 step "gpu tests: indexer" 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py tests/test_indexer_dsl.py
 step "bench indexer (quick)" 90 $PY bench/bench_indexer.py --quick --json "$OUT/indexer_quick.json"
-step "gpu tests: moe v3" 90 env DSV4_MOE_KERNEL=v3 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_moe.py
 echo "total $(( $(date +%s) - T0 ))s" | tee -a "$S"

@@ -139,17 +139,14 @@ def test_defaults_are_unchanged():
         "DSV4_PRINT_LAYOUTS": 0, "DSV4_DSL_DISK_CACHE": 1, "DSV4_COMPILE_ARCH": "sm_90a",
         "DSV4_QUANT_FUSED_MAX_CHUNKS": 4096, "DSV4_QUANT_L2_KEEP_MB": 32, "DSV4_QUANT_REVERSE": 1,
         "DSV4_TOPK_APPEND": 0,
-        "DSV4_MOE_KERNEL": "v4", "DSV4_MOE_V4_PWG": 2, "DSV4_MOE_V4_STAGES": None, "DSV4_MOE_V4_WCOAL": 0,
-        "DSV4_MOE_DIAG": 0, "DSV4_BENCH_DIAGNOSTICS": 0,
         "DSV4_MOE_DECODE": 1, "DSV4_MOE_DECODE_MAXM": 16, "DSV4_MOE_DECODE_MMA": 1, "DSV4_MOE_DECODE_BULK": 0,
         "DSV4_MOE_DECODE_L2PF": 256, "DSV4_MOE_DECODE_STAGES": None, "DSV4_MOE_DECODE_NWG": 2,
         "DSV4_MOE_DECODE_SPLITK": 4,
     }
     assert {k: VARS[k].default for k in expected} == expected
-    from kernels_cuda import moe, moe_decode, quantize, topk
+    from kernels_cuda import moe_decode, quantize, topk
     assert (moe_decode.DECODE_MAX_M, moe_decode.DECODE_MMA, moe_decode.DECODE_BULK, moe_decode.DECODE_L2PF,
             moe_decode.DECODE_SPLITK) == (16, 1, 0, 256, 4)
-    assert moe.DEFAULT_VERSION == "v4"
     if not any(k.startswith("DSV4_QUANT_") for k in os.environ):
         assert (quantize.TUNING["fused_max_chunks"], quantize.TUNING["l2_keep_bytes"], quantize.TUNING["reverse"]) \
             == (4096, 32 << 20, 1)
@@ -160,27 +157,27 @@ def test_defaults_are_unchanged():
 # ------------------------------------------------------------------------------ readers
 def test_readers_defaults_and_values(clean_env):
     assert env_int("DSV4_MOE_DECODE_L2PF") == 256
-    assert env_int("DSV4_MOE_V4_STAGES", None) is None and env_int("DSV4_MOE_V4_STAGES", 3) == 3
-    assert env_flag("DSV4_MOE_DECODE") is True and env_flag("DSV4_BENCH_DIAGNOSTICS") is False
-    assert env_choice("DSV4_MOE_KERNEL") == "v4"
+    assert env_int("DSV4_MOE_DECODE_STAGES", None) is None and env_int("DSV4_MOE_DECODE_STAGES", 3) == 3
+    assert env_flag("DSV4_MOE_DECODE") is True and env_flag("DSV4_PRINT_LAYOUTS") is False
     assert env_str("DSV4_CACHE_DIR") is None and env_str("DSV4_CACHE_DIR", "x") == "x"
     clean_env.setenv("DSV4_MOE_DECODE_L2PF", "64")
     clean_env.setenv("DSV4_MOE_DECODE", "0")
-    clean_env.setenv("DSV4_MOE_KERNEL", "v3")
     clean_env.setenv("DSV4_CACHE_DIR", "/tmp/c")
     assert env_int("DSV4_MOE_DECODE_L2PF") == 64 and env_flag("DSV4_MOE_DECODE") is False
-    assert env_choice("DSV4_MOE_KERNEL") == "v3" and env_str("DSV4_CACHE_DIR") == "/tmp/c"
-    for k in ("DSV4_MOE_DECODE_L2PF", "DSV4_MOE_DECODE", "DSV4_MOE_KERNEL"):
+    assert env_str("DSV4_CACHE_DIR") == "/tmp/c"
+    assert env_choice("DSV4_CACHE_DIR", "/x", ("/x", "/tmp/c")) == "/tmp/c"   # explicit choices
+    with pytest.raises(ValueError, match="DSV4_CACHE_DIR"):
+        env_choice("DSV4_CACHE_DIR", "/x", ("/x", "/y"))
+    for k in ("DSV4_MOE_DECODE_L2PF", "DSV4_MOE_DECODE", "DSV4_CACHE_DIR"):
         clean_env.setenv(k, "")                       # empty = unset = the default
     assert env_int("DSV4_MOE_DECODE_L2PF") == 256 and env_flag("DSV4_MOE_DECODE") is True
-    assert env_choice("DSV4_MOE_KERNEL") == "v4"
+    assert env_choice("DSV4_CACHE_DIR", "/x", ("/x", "/y")) == "/x"
 
 
 @pytest.mark.parametrize("name,value,reader", [
     ("DSV4_MOE_DECODE_L2PF", "100", env_int), ("DSV4_MOE_DECODE_L2PF", "big", env_int),
     ("DSV4_MOE_DECODE_MMA", "2", env_int), ("DSV4_QUANT_FUSED_MAX_CHUNKS", "-1", env_int),
     ("DSV4_MOE_DECODE", "false", env_flag), ("DSV4_MOE_DECODE", "2", env_flag),
-    ("DSV4_MOE_KERNEL", "V4", env_choice), ("DSV4_MOE_KERNEL", "v5", env_choice),
 ])
 def test_readers_reject_bad_values_naming_the_variable(clean_env, name, value, reader):
     clean_env.setenv(name, value)
@@ -227,49 +224,6 @@ def test_moe_decode_plan_overrides(clean_env):
     assert (p["mma"], p["bulk"], p["l2pf"], p["splitk"], p["nwg"], p["stages"]) == (0, 1, 0, 1, 1, 3)
     clean_env.setenv("DSV4_MOE_DECODE", "0")
     assert P() is None
-
-
-def test_moe_env_validation(clean_env):
-    from kernels_cuda import moe
-    assert moe.kernel_version() == "v4" and moe.v4_producer_warpgroups() == 2
-    assert moe.v4_stages(1) == 3 and moe.v4_stages(0) == 4
-    assert moe.diag_macros("v4") == {"V4_PWG": 2} and moe.diag_macros("v3") == {}
-    for name, value in (("DSV4_MOE_KERNEL", "v9"), ("DSV4_MOE_V4_PWG", "3"), ("DSV4_MOE_V4_STAGES", "x"),
-                        ("DSV4_MOE_V4_WCOAL", "2"), ("DSV4_MOE_DIAG", "4")):
-        clean_env.setenv(name, value)
-        with pytest.raises(ValueError, match=name):
-            moe.kernel_version(), moe.v4_producer_warpgroups(), moe.v4_stages(0), moe.diag_macros("v4")
-        clean_env.delenv(name)
-    clean_env.setenv("DSV4_MOE_V4_STAGES", "5")
-    clean_env.setenv("DSV4_MOE_V4_WCOAL", "1")
-    clean_env.setenv("DSV4_MOE_V4_PWG", "1")
-    assert moe.diag_macros("v4") == {"V4_PWG": 1, "V4_STAGES": 5, "V4_WCOAL": 1} and moe.v4_stages(1) == 5
-
-
-def test_moe_diag_needs_bench_diagnostics(clean_env):
-    """DSV4_MOE_DIAG (wrong results by design) is refused in the op path unless DSV4_BENCH_DIAGNOSTICS=1."""
-    from kernels_cuda import moe
-    clean_env.setenv("DSV4_MOE_DIAG", "2")
-    with pytest.raises(ValueError) as e:
-        moe.diag_macros("v4")
-    assert "DSV4_MOE_DIAG" in str(e.value) and "DSV4_BENCH_DIAGNOSTICS" in str(e.value)
-    clean_env.setenv("DSV4_BENCH_DIAGNOSTICS", "0")
-    with pytest.raises(ValueError, match="DSV4_BENCH_DIAGNOSTICS"):
-        moe.diag_macros("v3")
-    clean_env.setenv("DSV4_BENCH_DIAGNOSTICS", "1")
-    assert moe.diag_macros("v4") == {"MOE_DIAG": 2, "V4_PWG": 2}
-    assert moe.diag_macros("v3") == {"MOE_DIAG": 2}
-    clean_env.setenv("DSV4_MOE_DIAG", "0")           # 0 = off: no macro, allowed without the gate
-    clean_env.delenv("DSV4_BENCH_DIAGNOSTICS")
-    assert moe.diag_macros("v4") == {"V4_PWG": 2}
-
-
-def test_diagnostics_script_sets_the_gate_with_diag():
-    # the only user of the wrong-by-design MoE diagnostics kernels: it must open the gate first
-    src = (ROOT / "scripts" / "gpu_moe_prefill.sh").read_text()
-    gate, diag = src.find('os.environ["DSV4_BENCH_DIAGNOSTICS"] = "1"'), src.find('os.environ["DSV4_MOE_DIAG"]')
-    assert 0 <= gate < diag, "gpu_moe_prefill.sh must set DSV4_BENCH_DIAGNOSTICS=1 before DSV4_MOE_DIAG"
-    assert 'os.environ.pop("DSV4_MOE_DIAG", None)' in src
 
 
 # ------------------------------------------------------------------------------ other call sites

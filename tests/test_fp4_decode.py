@@ -73,6 +73,26 @@ def test_plain_lut_is_d0():
     assert (fp4.E4M3_LUT_LO, fp4.E4M3_LUT_HI) == fp4.model_e4m3_lut(0)
 
 
+@pytest.mark.parametrize("d", range(-12, 10))
+def test_sign_mask_decode_equals_spread_decode(d):
+    """e2m1x8_to_e4m3x8_sm (signs by two sign-replicate prmt, 9 instructions) gives the bits of
+    e2m1x8_to_e4m3x8 (signs by a byte spread, 12) for every LUT the kernels build (exact, shift),
+    and each byte is the E4M3 value of its code (exact range)."""
+    luts = [fp4.model_e4m3_lut(d)]
+    if fp4.SHIFT_RANGE[0] <= d <= fp4.SHIFT_RANGE[1]:
+        luts.append(fp4.model_e4m3_lut_shift(d))
+    for lo, hi in luts:
+        assert not (lo | hi) & 0x80808080                       # the sign-mask decode's precondition
+        for w in _words(512, 100 + d):
+            got = fp4.model_e2m1x8_to_e4m3x8_sm(w, lo, hi)
+            assert got == fp4.model_e2m1x8_to_e4m3x8(w, lo, hi), (hex(w), d)
+            if fp4.FOLD_EXACT_RANGE[0] <= d <= fp4.FOLD_EXACT_RANGE[1]:
+                for j, byte in enumerate(_bytes_of(*got)):
+                    n = (w >> (4 * j)) & 0xF
+                    assert _e4m3(byte) == _e2m1(n) * 2.0 ** d and bool(byte & 0x80) == bool(n & 8), (hex(w), j, d)
+    assert fp4.model_e2m1x8_to_e4m3x8_sm(0x89ABCDEF) == fp4.model_e2m1x8_to_e4m3x8(0x89ABCDEF)   # plain LUT
+
+
 def test_e2m1_to_bf16_exact():
     for w in _words(256, 7):
         pairs = fp4.model_e2m1x8_to_bf16x8(w)

@@ -90,14 +90,14 @@ def test_dsl_providers_registered_and_nvfp4_reason_cpu():
         p = op.provider("dsl")
         if hasattr(p, "ok"):
             pytest.skip(p.reason)
-        for fmt in DSL_FORMATS:
+        for fmt in DSL_FORMATS + ("nvfp4",):
             s = p.supports({"fmt": fmt, **extra, "device": "cuda"}, t)
-            if op is LOGITS_OP and fmt not in ki.PREFILL_VALIDATED and not os.environ.get("DSV4_RUN_UNVALIDATED"):
-                assert not s and "2e-3" in s.reason, s     # FP8 keys: the exact cuda kernel keeps prefill
+            if op is PAGED_OP and fmt == "nvfp4":
+                assert not s and "NVFP4" in s.reason, s    # decode: no exact FP8 operand, cuda decodes
+            elif op is LOGITS_OP and fmt not in ki.PREFILL_VALIDATED and not os.environ.get("DSV4_RUN_UNVALIDATED"):
+                assert not s and "PREFILL_VALIDATED" in s.reason, s
             else:
                 assert s, (op.name, fmt)
-        no = p.supports({"fmt": "nvfp4", **extra, "device": "cuda"}, t)
-        assert not no and "NVFP4" in no.reason
     assert not LOGITS_OP.provider("dsl").supports({"fmt": "mxfp4", "device": "cuda"},
                                                   Target("cuda", "sm_80", "A100", 108, 0))
     p = PAGED_OP.provider("dsl")
@@ -111,9 +111,11 @@ def test_prefill_operand_choices_cpu():
     pytest.importorskip("cutlass")
     from kernels_dsl.indexer import prefill_logits_dsl
     x = torch.zeros(1, dtype=torch.uint8)
-    for fmt, operand in (("mxfp4", "bf16"), ("fp8", "fp16"), ("nvfp4", None)):
+    for fmt, operand in (("mxfp4", "bf16"), ("fp8", "fp16"), ("nvfp4", "e4m3"), ("e2m1", None)):
         with pytest.raises(ValueError, match="fmt" if operand is None else "operand"):
             prefill_logits_dsl(x, x, x, x, x, x, x, fmt=fmt, operand=operand)
+    with pytest.raises(ValueError, match="q_global"):
+        prefill_logits_dsl(x, x, x, x, x, x, x, fmt="nvfp4")
 
 
 # =========================================================================================
@@ -302,6 +304,32 @@ def test_gpu_dsl_prefill_short_rows(cuda_device, fmt, operand, lens_):
     ref = logits_ref(dequantize_q(qd, qs, fmt), wo, dequantize_rows(kv, ksf, fmt), ks, ke, dtype=torch.float64, chunk=16)
     st = _contract(L, ref, ke - ks, k=64)
     print(f"\ndsl prefill short rows {fmt}/{operand} {lens_}: {st}")
+    _assert_contract(st)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens_", [[300, 5, 130], [12288, 2500, 7]])
+def test_gpu_dsl_prefill_nvfp4_bf16(cuda_device, lens_):
+    """NVFP4 keys on the BF16-operand prefill kernel (dequant_fp4 to BF16, exact; global scales after
+    the head sum): vs fp64 on the same quantized values times q_global * k_global; every row's mask."""
+    dev = cuda_device
+    ks, ke, pos = indexer_prefill_ranges(lens_, device=dev)
+    T, S = int(ks.numel()), sum(L // 4 for L in lens_)
+    d = indexer_inputs(T, S, seed=5, q_positions=pos.cpu(), device=dev)
+    gq = torch.tensor([0.37], device=dev)
+    gk = torch.tensor([1.9], device=dev)
+    qd, qs, wo = indexer_q_quant(d.q, d.w, fmt="nvfp4", hadamard=True, global_scale=gq)
+    kv, ksf = quantize_rows(d.k, "nvfp4", gk, True)
+    from kernels_dsl.indexer import prefill_logits_dsl
+    L = prefill_logits_dsl(qd, qs, wo, kv, ksf, ks, ke, fmt="nvfp4", q_global=gq, k_global=gk)
+    cols = torch.arange(S, device=dev)
+    assert torch.equal(torch.isfinite(L), (cols[None] >= ks[:, None]) & (cols[None] < ke[:, None]))
+    g = torch.Generator().manual_seed(0)
+    rows = torch.cat([torch.randperm(T, generator=g)[:400].to(dev), torch.arange(max(0, T - 40), T, device=dev)])
+    ref = logits_ref(dequantize_q(qd[rows], qs[rows], "nvfp4", gq), wo[rows], dequantize_rows(kv, ksf, "nvfp4") * gk,
+                     ks[rows], ke[rows], dtype=torch.float64, chunk=16)
+    st = _contract(L[rows], ref, ke[rows] - ks[rows], k=64)
+    print(f"\ndsl prefill nvfp4/bf16 {lens_}: {st}")
     _assert_contract(st)
 
 

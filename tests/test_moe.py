@@ -249,57 +249,9 @@ def test_hypothesis_tokens_experts_topk(T, E, k, layout, seed):
 _HYP_WEIGHTS = {E: make_weights(E, 256, 128, seed=E) for E in range(1, 10)}
 
 
-# ------------------------------------------------------------------------------------- compile checks
-@pytest.mark.parametrize("act", [0, 1])
-@pytest.mark.parametrize("fmt", [0, 1])
-@pytest.mark.parametrize("stage", [1, 2])
-def test_kernel_compiles_with_wgmma(act, fmt, stage):
-    pytest.importorskip("cuda.bindings")
-    from kernels_cuda.nvrtc import load
-    ptx = load("moe.cu", MOE_ACT=act, MOE_WFMT=fmt, MOE_STAGE=stage).ptx()
-    assert "wgmma.mma_async" in ptx and ".entry moe_gemm_kernel_v3" in ptx
-    assert ".entry moe_gemm_kernel(" not in ptx and ".entry moe_gemm_kernel_v2" not in ptx  # v1 / v2: deleted
-    assert ("e4m3.e4m3" in ptx) if act == 0 else ("bf16.bf16" in ptx)
-    assert "prmt.b32" in ptx and "cp.async.cg.shared.global" in ptx
-    assert "wgmma.fence" in ptx and "wgmma.commit_group" in ptx and "wgmma.wait_group" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx  # no spills / local arrays
-    if act == 0:  # v4: warp-specialized producer / consumers through mbarriers, register reallocation
-        assert ".entry moe_gemm_kernel_v4" in ptx
-        assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx and "setmaxnreg.inc" in ptx
-        assert "setmaxnreg.dec" in ptx
-    else:
-        assert ".entry moe_gemm_kernel_v4" not in ptx  # v4 is FP8-only; W4A16 runs v3
-    if act == 0 and fmt == 1:  # NVFP4 W4A8: hi + lo WGMMAs (predicated lo in v3)
-        assert "@g wgmma" in ptx
-
-
-@pytest.mark.parametrize("fmt", [0, 1])
-def test_v4_one_producer_warpgroup_compiles(fmt):
-    pytest.importorskip("cuda.bindings")
-    from kernels_cuda.nvrtc import load
-    ptx = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=1, V4_PWG=1).ptx()
-    assert ".entry moe_gemm_kernel_v4" in ptx and ".maxntid 384" in ptx and "setmaxnreg.dec.sync.aligned.u32 88" in ptx
-    ptx2 = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=1).ptx()
-    assert ".maxntid 512" in ptx2  # default: two producer warpgroups
-    ptx3 = load("moe.cu", MOE_ACT=0, MOE_WFMT=fmt, MOE_STAGE=2, V4_WCOAL=1).ptx()
-    assert "bar.sync" in ptx3 and ".entry moe_gemm_kernel_v4" in ptx3  # producer named barrier (tuning option)
-
-
-def test_effective_version_and_smem_fit(monkeypatch):
-    from kernels_cuda import moe as km
-    assert km.effective_version("bf16", "mxfp4", "v4") == "v3"
-    assert km.effective_version("fp8", "nvfp4", "v4") == "v4"
-    for ver in ("v3", "v4"):
-        for act in ("fp8", "bf16"):
-            for fmt in ("mxfp4", "nvfp4"):
-                v = km.effective_version(act, fmt, ver)
-                for pwg in ("1", "2"):
-                    monkeypatch.setenv("DSV4_MOE_V4_PWG", pwg)
-                    assert km.smem_bytes(act, 2048, v, fmt) <= 227 * 1024, (ver, act, fmt, pwg)
-
-
 def _nvfp4_w4a8_split(data, scale):
-    """Torch emulation of moe.cu decode_row (NVFP4, FP8 activations): per (row, 128-K block)
+    """Torch model of the NVFP4 W4A8 hi + lo split (the split the CuTe DSL grouped GEMM decodes with
+    kernels_dsl/sm90/fp4.py ``e4m3_hilo_lut``; first built for the deleted moe.cu): per (row, 128-K block)
     base = floor(log2(max sf)) - 5, f = sf * 2^-base, hi = e4m3_rn(level * f), lo = e4m3_rn(v - hi);
     returns (2^base * hi, 2^base * lo) fp32 [..., N, K]."""
     from dsv4.formats import e2m1_decode, unpack_e2m1
@@ -340,8 +292,9 @@ def test_nvfp4_w4a8_hi_lo_split_exact():
 
 
 def test_device_lo_lut_emulation():
-    """Bit-level emulation of moe.cuh e2m1_e4m3_lut_lo + e2m1x8_to_e4m3x8_xs (XOR sign) + the
-    e4m3_is_pow2_or_zero predicate: for every positive E4M3 block scale and every block maximum up to
+    """Bit-level emulation of the NVFP4 W4A8 hi / lo LUT bytes with the sign applied by XOR
+    (kernels_dsl/sm90/fp4.py ``e4m3_hilo_lut`` + ``e2m1x8_to_e4m3x8(sign_xor=True)``) and the
+    power-of-two predicate: for every positive E4M3 block scale and every block maximum up to
     10 binades above it, hi byte + lo byte == +-level * f exactly; lo == 0 exactly for power-of-two sf."""
     ml = pytest.importorskip("ml_dtypes")
     import math
@@ -373,9 +326,9 @@ def test_device_lo_lut_emulation():
 
 # ------------------------------------------------------------------------------------- GPU
 #: grouped-GEMM providers the GPU tests of prefill-sized groups run (DSV4_MOE_TEST_VERSIONS,
-#: dsv4/config.py): the registry sends those to ``dsl`` (kernels_cuda/moe.py PREFILL_FASTER is
-#: empty: the cuda provider declines them); decode-sized groups are tested on both providers below
-#: and in tests/test_moe_decode.py.
+#: dsv4/config.py): the registry sends those to ``dsl`` (the cuda provider, kernels_cuda/moe.py, is
+#: decode-only and declines them); decode-sized groups are tested on both providers below and in
+#: tests/test_moe_decode.py.
 _GPU_VERSIONS = [v for v in __import__("os").environ.get("DSV4_MOE_TEST_VERSIONS", "dsl").split(",") if v]
 
 
@@ -529,48 +482,6 @@ def test_gpu_decode_masked_flash_shape_and_graph(kver):
     assert torch.equal(out_g, out)
 
 
-def test_device_decode_emulation_exact_for_shifts_minus8_to_6():
-    """Bit-level emulation of moe.cuh e2m1_e4m3_lut + e2m1x8_to_e4m3x8 (prmt byte LUT + sign bits):
-    every E2M1 code times 2^d, d in [-8, 6], is reproduced exactly as E4M3."""
-    ml = pytest.importorskip("ml_dtypes")
-    import numpy as np
-
-    def e4m3(x):
-        return int(np.array(np.clip(x, -448, 448), dtype=np.float32).astype(ml.float8_e4m3fn).view(np.uint8))
-
-    def prmt(a, b, sel):
-        pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-        r = 0
-        for i in range(4):
-            s = (sel >> (4 * i)) & 0xF
-            byte = pool[s & 7]
-            if s & 8:
-                byte = 0xFF if byte & 0x80 else 0
-            r |= byte << (8 * i)
-        return r
-
-    levels = [0, .5, 1, 1.5, 2, 3, 4, 6]
-    rng = np.random.default_rng(0)
-    for d in range(-8, 7):
-        f = 2.0 ** d
-        la = e4m3(0) | (e4m3(.5 * f) << 8) | (e4m3(f) << 16) | (e4m3(1.5 * f) << 24)
-        lb = e4m3(2 * f) | (e4m3(3 * f) << 8) | (e4m3(4 * f) << 16) | (e4m3(6 * f) << 24)
-        for w in [0x01234567, 0x89ABCDEF, 0xFFFFFFFF] + [int(v) for v in rng.integers(0, 2 ** 32, 50)]:
-            idx, s = w & 0x77777777, w & 0x88888888
-            o0 = prmt(la, lb, idx & 0xFFFF) | ((s << 4) & 0x80) | ((s << 8) & 0x8000) | ((s << 12) & 0x800000) | ((s << 16) & 0x80000000)
-            o1 = prmt(la, lb, idx >> 16) | ((s >> 12) & 0x80) | ((s >> 8) & 0x8000) | ((s >> 4) & 0x800000) | (s & 0x80000000)
-            got = np.array([(o0 >> (8 * i)) & 0xFF for i in range(4)] + [(o1 >> (8 * i)) & 0xFF for i in range(4)],
-                           dtype=np.uint8).view(ml.float8_e4m3fn).astype(np.float32)
-            want = np.array([(-1 if (w >> (4 * i)) & 8 else 1) * levels[(w >> (4 * i)) & 7] * f for i in range(8)],
-                            dtype=np.float32)
-            assert np.array_equal(got, want), (d, hex(w))
-            # v2 sign path: prmt byte duplication [b0 b0 b1 b1] / [b2 b2 b3 b3]
-            u0, u1 = prmt(w, 0, 0x1100), prmt(w, 0, 0x3322)
-            p0 = prmt(la, lb, idx & 0xFFFF) | (((((u0 << 4) & 0x00FF00FF) | (u0 & 0xFF00FF00))) & 0x80808080)
-            p1 = prmt(la, lb, idx >> 16) | (((((u1 << 4) & 0x00FF00FF) | (u1 & 0xFF00FF00))) & 0x80808080)
-            assert (p0 & 0xFFFFFFFF, p1 & 0xFFFFFFFF) == (o0 & 0xFFFFFFFF, o1 & 0xFFFFFFFF), (d, hex(w))
-
-
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_w4a8_fold_exact_for_mxfp4_and_pow2_nvfp4(fmt):
     from dsv4.reference.moe import fold_fp4_weight_w4a8
@@ -584,31 +495,6 @@ def test_w4a8_fold_exact_for_mxfp4_and_pow2_nvfp4(fmt):
         s.view(torch.uint8)[0, 0, 1] = 120
         f = fold_fp4_weight_w4a8(ck["w13"], s, fmt)
         assert torch.all(f[0, 0, :32] == 0) and torch.equal(f[0, 0, 32:], dequant_fp4_weight(ck["w13"], s, fmt)[0, 0, 32:])
-
-
-def test_dynamic_smem_limit_is_only_raised(monkeypatch):
-    """The dynamic shared-memory limit is an attribute of the kernel, shared by every expert count E:
-    a launch with a small E must not lower it below what a larger E set earlier (that made the next
-    large-E launch fail with CUDA_ERROR_INVALID_VALUE). CPU: the module load and the attribute call are
-    stubbed, the bookkeeping of kernels_cuda/moe.py is real."""
-    import kernels_cuda.moe as km
-    calls = []
-
-    class _Mod:
-        def kernel(self, name):
-            return name
-
-    monkeypatch.setattr(km, "load", lambda *a, **k: _Mod())
-    monkeypatch.setattr(km, "set_max_dynamic_smem", lambda k, n: calls.append(n))
-    monkeypatch.setattr(km.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(km, "_configured", {})
-    sizes = []
-    for E in (384, 8, 384, 1000):
-        _, smem = km._kernel("fp8", "mxfp4", 1, E)
-        sizes.append(smem)
-    assert sizes[0] > sizes[1] and sizes[3] > sizes[0]          # smem grows with E
-    assert calls == [sizes[0], sizes[3]]                         # set for 384, not lowered for 8, raised for 1000
-    assert max(calls) >= max(sizes)
 
 
 # ------------------------------------------------------------------------------------- dsl grouped GEMM (CPU)
@@ -655,6 +541,40 @@ def test_dsl_w4a8_row_fold_is_exact_on_checkpoint_like_weights(fmt):
         assert not torch.equal(got, exact) and (got - exact).abs().max() <= rowmax * 2.0 ** -9
 
 
+def _mag_sign_model(w, lo, hi, xor=False):
+    """Bit model of the W4A8 word decode of kernels_dsl/sm90/grouped_gemm.py (``_mag_sign``): the
+    magnitudes by a prmt LUT lookup, the signs as byte-msb masks from the sign-replicate prmt over
+    {w << 4, w} (kernels_dsl/sm90/fp4.py selectors); E4M3 = mag | sign (NVFP4 lo parts: mag ^ sign)."""
+    from kernels_dsl.sm90 import fp4
+    idx = w & 0x77777777
+    m0, m1 = fp4.model_prmt(lo, hi, idx & 0xFFFF), fp4.model_prmt(lo, hi, idx >> 16)
+    a = (w << 4) & 0xFFFFFFFF
+    k0 = fp4.model_prmt(a, w, fp4._SIGN_SEL0) & 0x80808080
+    k1 = fp4.model_prmt(a, w, fp4._SIGN_SEL1) & 0x80808080
+    return (m0 ^ k0, m1 ^ k1) if xor else (m0 | k0, m1 | k1)
+
+
+def test_dsl_w4a8_sign_mask_decode_is_the_reference_decode():
+    """The 9-instruction decode the W4A8 kernel runs equals the reference decode models bit for bit,
+    for every LUT it builds: MXFP4 exponent-shift and exact LUTs (sign by OR) and the NVFP4 hi + lo
+    LUTs (lo parts carry their own sign: sign by XOR)."""
+    import random
+    from kernels_dsl.sm90 import fp4
+    rnd = random.Random(5)
+    words = [rnd.getrandbits(32) for _ in range(1500)] + [0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x80000008]
+    words += [c << (4 * i) for c in range(16) for i in range(8)]
+    luts = [fp4.model_e4m3_lut_shift(d) for d in range(fp4.SHIFT_RANGE[0], fp4.SHIFT_RANGE[1] + 1)]
+    luts += [fp4.model_e4m3_lut(d) for d in range(-14, 7)]
+    for lo, hi in luts:
+        for w in words[::7]:
+            assert _mag_sign_model(w, lo, hi) == fp4.model_e2m1x8_to_e4m3x8(w, lo, hi), (hex(w), hex(lo), hex(hi))
+    for f in (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 3.0, 0.3125, 0.0390625, 13.0):
+        hl, hh, ll, lh = fp4.model_e4m3_hilo_lut(f)
+        for w in words[::5]:
+            assert _mag_sign_model(w, hl, hh) == fp4.model_e2m1x8_to_e4m3x8(w, hl, hh)
+            assert _mag_sign_model(w, ll, lh, xor=True) == fp4.model_e2m1x8_to_e4m3x8(w, ll, lh, sign_xor=True)
+
+
 def test_dsl_config_heuristic_and_smem_fit():
     from kernels_dsl.sm90 import config as C
     for stage in (1, 2):
@@ -667,6 +587,7 @@ def test_dsl_config_heuristic_and_smem_fit():
                         assert cfg.stages >= 2 and cfg.tile_m == (64 if m <= 64 else 128)
                         p, c = cfg.regs
                         assert p % 8 == 0 and c % 8 == 0 and 128 * (p + cfg.consumers * c) <= 65536 // cfg.ctas_per_sm * 1
+                        assert (p, c) == ((24, 240) if act == "fp8" else (40, 232)), cfg
                         assert act in cfg.explain() and fmt in cfg.explain()
     # the hint decides the tile, not the average: one hot expert among many empty ones
     assert C.choose(stage=1, act="fp8", fmt="mxfp4", R=300, E=256, N=4096, K=4096).tile_m == 64
@@ -681,7 +602,7 @@ def test_gemm_routing_decode_cuda_prefill_dsl():
     from dsv4.target import Target
     from kernels_cuda import moe as km
     t = Target("cuda", "sm_90a", "H200", 132, 0)
-    assert moe.GEMM_KINDS[:2] == ("cuda", "dsl") and not km.PREFILL_FASTER
+    assert moe.GEMM_KINDS[:2] == ("cuda", "dsl")
     for name, cls, N, K in (("moe_gemm1_swiglu", km.CudaMoEGemm1, 4096, 4096), ("moe_gemm2", km.CudaMoEGemm2, 4096, 2048)):
         op = get_op(name)
         for act in ("fp8", "bf16"):

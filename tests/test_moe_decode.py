@@ -237,7 +237,7 @@ def test_grid_bounds_items():
 
 def test_provider_dispatch_is_wired():
     """kernels_cuda/moe.py calls the decode plan in both providers' run and in their supports (the
-    cuda provider serves exactly the decode-plan problems, PREFILL_FASTER being empty)."""
+    cuda provider serves exactly the decode-plan problems; the moe.cu prefill kernels are deleted)."""
     from pathlib import Path
     src = (Path(moe_decode.__file__).parent / "moe.py").read_text()
     assert src.count("moe_decode.plan(") == 3 and "moe_decode.gemm1_swiglu(" in src and "moe_decode.gemm2(" in src
@@ -371,6 +371,60 @@ def test_gpu_decode_splitk_deterministic(fmt, act, consumer, monkeypatch):
     e_ref = _rel(outs["4"][2][rows], y_r[rows])
     print(f"\n[moe decode split-K {consumer}] {fmt} {act}: split vs unsplit {e_split:.2e}, vs oracle {e_ref:.2e}")
     assert e_split < 1e-2 and e_ref < 1e-5
+
+
+def test_masked_hot_expert_plans_from_assignments():
+    """The cuda (decode) provider sizes its plan from the assignments (``min(R, T * topk)``), not
+    from the masked layout's ``E * max_m`` slots: one hot expert (max_m 64) at decode keeps the
+    decode kernel (it cuts that expert into token chunks); without the hint it is declined."""
+    from dsv4.ops import moe as mo
+    from dsv4.registry import get_op
+    from kernels_cuda import moe as km
+    E, D, I = 256, 4096, 2048
+    a = torch.empty((E * 64, D), dtype=torch.float8_e4m3fn)
+    w13 = torch.empty((E, 2 * I, D // 2), dtype=torch.uint8)
+    p = mo._gemm_problem(a, w13, "mxfp4", 64, 64 * 6)                      # T = 64, top-6
+    assert p["R"] == E * 64 and p["rows"] == 384 and p["max_m"] == 64
+    assert km.CudaMoEGemm1(get_op("moe_gemm1_swiglu")).supports_problem(p).ok
+    p2 = mo._gemm_problem(a, w13, "mxfp4", 64)                             # no assignment count
+    assert p2["rows"] == E * 64 and not km.CudaMoEGemm1(get_op("moe_gemm1_swiglu")).supports_problem(p2).ok
+    assert mo._gemm_problem(a, w13, "mxfp4", 64, 10 ** 9)["rows"] == E * 64  # capped by R
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,act", [("mxfp4", "fp8"), ("nvfp4", "bf16")])
+def test_gpu_decode_masked_hot_expert(fmt, act):
+    """Masked layout, one expert with 40 of 71 rows (max_m 48): the registry keeps the decode kernel
+    (planned from the assignments) and it matches the torch oracle on the same inputs."""
+    from tests.test_moe import make_weights, make_x, prep
+    from dsv4.ops import moe
+    from dsv4.registry import last_choice, use
+    E, D, I = 33, 2048, 1024
+    ck = make_weights(E, D, I, fmt=fmt, seed=3, gscale_spread=2.0, device="cuda")
+    W = prep(ck, fmt)
+    rows = [7] * 40 + [e for e in range(E) if e != 7][:31]
+    T = len(rows)
+    idx = torch.tensor(rows, dtype=torch.int32, device="cuda").view(T, 1)
+    w = torch.rand(T, 1, device="cuda") + 0.1
+    x = make_x(T, D, seed=4, device="cuda")
+    gr = moe.moe_permute(x, idx, w, E, act=act, layout="masked", max_m=48)
+    h, h_s = moe.moe_gemm1_swiglu(gr, W, max_m=48)
+    assert last_choice("moe_gemm1_swiglu").kind == "cuda", last_choice("moe_gemm1_swiglu").explain()
+    y = moe.moe_gemm2(h, h_s, gr, W, max_m=48)
+    assert last_choice("moe_gemm2").kind == "cuda"
+    with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
+        h_r, h_s_r = moe.moe_gemm1_swiglu(gr, W)
+        y_r = moe.moe_gemm2(h, h_s, gr, W)
+    valid = _valid(gr)
+    assert int(gr.row_count[7]) == 40 and int(valid.sum()) == T
+    # GEMM1 too (the hot expert's 40 rows go through several token chunks), bounds as
+    # test_gpu_decode_matches_oracles
+    if act == "fp8":
+        hd, hd_r = h.float() * h_s.repeat_interleave(128, 1), h_r.float() * h_s_r.repeat_interleave(128, 1)
+        assert _rel(hd[valid], hd_r[valid]) < 1e-2
+    else:
+        assert _rel(h[valid], h_r[valid]) < 2e-3
+    assert _rel(y[valid], y_r[valid]) < 1e-5
 
 
 def _flash_shape_graph_and_contiguous(prov: str) -> None:

@@ -679,8 +679,8 @@ def _ex_gemm(target):
 #: provider preference of the grouped GEMMs: ``cuda`` is asked first but accepts only the problems
 #: where a CUDA kernel is measured faster, with that reason (kernels_cuda/moe.py: the moe_decode.cu
 #: decode kernel at <= 16 rows per expert); everything else -- prefill, both formats, W4A8 and W4A16
-#: -- runs on the CuTe DSL grouped GEMM (kernels_dsl/moe.py; GPU tests passed in jobs moe-11 and
-#: moe-12, 2026-12-01; 1.29-1.48x moe.cu v4 for Flash MXFP4 W4A8 prefill in moe-12).
+#: -- runs on the CuTe DSL grouped GEMM (kernels_dsl/moe.py; GPU tests passed in jobs moe-11, moe-12 and
+#: moe-13, 2026-12-01; faster than the deleted moe.cu prefill kernels for every class: 1.07-2.37x, moe-13).
 #: ``registry.last_choice(op).explain()`` shows the decision and the skipped provider's reason.
 GEMM_KINDS = ("cuda", "dsl", "torch")
 GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))
@@ -691,25 +691,29 @@ def _act_of(a: torch.Tensor) -> str:
     return "fp8" if a.dtype == torch.float8_e4m3fn else "bf16"
 
 
-def _gemm_problem(a: torch.Tensor, w: torch.Tensor, fmt: str, max_m: Optional[int]) -> dict:
-    """Dispatch problem of the grouped GEMMs: formats, sizes, grouped rows ``R`` and the
-    scheduling hint ``max_m`` (largest rows per expert; None = unknown, the kernels assume
-    ``R / E``). ``R`` / ``max_m`` only select kernel configurations (shown by ``explain()``)."""
-    return {"fmt": fmt, "act": _act_of(a), "E": w.shape[0], "N": w.shape[1], "K": a.shape[1], "R": a.shape[0],
+def _gemm_problem(a: torch.Tensor, w: torch.Tensor, fmt: str, max_m: Optional[int], assignments: int = -1) -> dict:
+    """Dispatch problem of the grouped GEMMs: formats, sizes, grouped rows ``R``, the scheduling
+    hint ``max_m`` (largest rows per expert; None = unknown, the kernels assume ``R / E``) and
+    ``rows``: an upper bound of the rows that hold an assignment (``min(R, T * topk)``: the masked
+    layout's ``R = E * max_m`` slots are mostly empty at decode). ``R`` / ``max_m`` / ``rows`` only
+    select kernel configurations (shown by ``explain()``)."""
+    R = a.shape[0]
+    return {"fmt": fmt, "act": _act_of(a), "E": w.shape[0], "N": w.shape[1], "K": a.shape[1], "R": R,
+            "rows": R if assignments is None or assignments < 0 else min(R, int(assignments)),
             "max_m": None if max_m is None or max_m < 0 else int(max_m), "device": a.device.type}
 
 
 @torch.library.custom_op("dsv4::moe_gemm1_swiglu", mutates_args=())
 def _gemm1_op(a: torch.Tensor, a_s: Optional[torch.Tensor], w13: torch.Tensor, w13_scale: torch.Tensor,
               g13: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, route_w: torch.Tensor,
-              fmt: str, max_m: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = _gemm_problem(a, w13, fmt, max_m)
+              fmt: str, max_m: int = -1, assignments: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = _gemm_problem(a, w13, fmt, max_m, assignments)
     return GEMM1_OP.dispatch(problem, Target.of(a.device), a=a, a_s=a_s, w13=w13, w13_scale=w13_scale, g13=g13,
                              row_start=row_start, row_count=row_count, route_w=route_w)
 
 
 @_gemm1_op.register_fake
-def _(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt, max_m=-1):
+def _(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt, max_m=-1, assignments=-1):
     R, I = a.shape[0], w13.shape[1] // 2
     if a.dtype == torch.float8_e4m3fn:
         return a.new_empty((R, I)), a.new_empty((R, I // 128), dtype=torch.float32)
@@ -719,14 +723,14 @@ def _(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt, max_m=-1)
 @torch.library.custom_op("dsv4::moe_gemm2", mutates_args=())
 def _gemm2_op(h: torch.Tensor, h_s: Optional[torch.Tensor], w2: torch.Tensor, w2_scale: torch.Tensor,
               g2: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, fmt: str,
-              max_m: int = -1) -> torch.Tensor:
-    problem = _gemm_problem(h, w2, fmt, max_m)
+              max_m: int = -1, assignments: int = -1) -> torch.Tensor:
+    problem = _gemm_problem(h, w2, fmt, max_m, assignments)
     return GEMM2_OP.dispatch(problem, Target.of(h.device), h=h, h_s=h_s, w2=w2, w2_scale=w2_scale, g2=g2,
                              row_start=row_start, row_count=row_count)
 
 
 @_gemm2_op.register_fake
-def _(h, h_s, w2, w2_scale, g2, row_start, row_count, fmt, max_m=-1):
+def _(h, h_s, w2, w2_scale, g2, row_start, row_count, fmt, max_m=-1, assignments=-1):
     return h.new_empty((h.shape[0], w2.shape[1]), dtype=torch.float32)
 
 
@@ -751,8 +755,10 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = Non
         w: :class:`MoEWeights` from :func:`moe_prepare_weights`.
         max_m: optional scheduling hint, the largest ``row_count`` of any expert (the masked
             layout's ``max_m``; DeepGEMM's ``expected_m_per_group``). Only the kernel
-            configuration (token tile) depends on it, never the result; None = ``R / E``. Today
-            only the dsl provider reads it; the cuda provider plans from ``R / E``.
+            configuration (token tile) depends on it, never the result; None = ``R / E``. The
+            dsl provider reads it; the cuda (decode) provider plans from the assignments per expert
+            (``min(R, T * topk) / E``, ``g.pos`` holds one entry per assignment), so a masked layout
+            with one hot expert still runs the decode kernel (it cuts that expert into token chunks).
 
     Precision (dsl provider, W4A8): FP8 WGMMA per 128-K block promoted into fp32 (DeepGEMM
     style), weights decoded exactly (MXFP4 while a row's scales span <= 14 binades, NVFP4 through
@@ -771,7 +777,7 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = Non
                          "row_start": g.row_start, "row_count": g.row_count, "route_w": g.route_w},
                         symbols={"SF": FORMATS[w.fmt], "I": w.I})
     return torch.ops.dsv4.moe_gemm1_swiglu(g.a, g.a_s, w.w13, w.w13_scale, w.g13, g.row_start, g.row_count,
-                                           g.route_w, w.fmt, _check_hint("moe_gemm1_swiglu", max_m))
+                                           g.route_w, w.fmt, _check_hint("moe_gemm1_swiglu", max_m), g.pos.numel())
 
 
 def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: MoEWeights, *,
@@ -805,7 +811,7 @@ def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: Mo
     GEMM2_SPEC.validate({"h": h, "h_s": h_s, "w2": w.w2, "w2_scale": w.w2_scale, "g2": w.g2,
                          "row_start": g.row_start, "row_count": g.row_count}, symbols={"SF": FORMATS[w.fmt]})
     return torch.ops.dsv4.moe_gemm2(h, h_s, w.w2, w.w2_scale, w.g2, g.row_start, g.row_count, w.fmt,
-                                    _check_hint("moe_gemm2", max_m))
+                                    _check_hint("moe_gemm2", max_m), g.pos.numel())
 
 
 def _check_weights(op: str, w, x: Optional[torch.Tensor] = None) -> None:

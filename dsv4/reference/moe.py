@@ -40,7 +40,7 @@ def fold_fp4_weight_w4a8(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> t
     nvfp4: base = floor(log2(max sf)) - 5; value = e4m3_rn(level * sf * 2^-base) (exact for
     power-of-two sf). This single-rounding NVFP4 fold is what the first CUDA kernels did before the
     hi + lo split; kept as the "before" comparison of the exactness tests. The current W4A8
-    kernels (moe.cu v3 / v4, the CuTe DSL grouped GEMM) add lo = e4m3_rn(v - hi) for general scales.
+    kernel (the CuTe DSL grouped GEMM) adds lo = e4m3_rn(v - hi) for general scales.
     """
     vals = e2m1_decode(unpack_e2m1(data))
     K = vals.shape[-1]

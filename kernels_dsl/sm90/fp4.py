@@ -59,6 +59,7 @@ __all__ = [
     "e2m1x8_to_e4m3x8", "e4m3_lut", "e4m3_lut_shift", "e2m1x8_to_bf16x8", "mul_bf16x2", "cvt_e4m3x2_f32",
     "model_prmt", "model_e2m1x8_to_e4m3x8", "model_e4m3_lut", "model_e4m3_lut_shift", "model_e2m1x8_to_bf16x8",
     "Fp4DecodeProbe", "probe_compile", "probe_reference",
+    "e2m1x8_to_e4m3x8_sm", "model_e2m1x8_to_e4m3x8_sm",
 ]
 
 #: E2M1 magnitudes by 3-bit index (dsv4_spec.md 2.1, convert.py FP4_TABLE)
@@ -450,3 +451,49 @@ if _HAVE_DSL:
         whose bytes may be negative (the lo part of :func:`e4m3_hilo_lut`), ``-x`` is then the
         E4M3 negation of the LUT byte."""
         return e2m1x8_to_e4m3x8(w, lut_lo, lut_hi, sign_xor=True, loc=loc, ip=ip)
+
+
+# ------------------------------------------------------------------------------------------
+# Added by the indexer decode work (issue 13): the same E2M1 -> E4M3 decode in 9 integer
+# instructions per word instead of 12. The sign of each code goes to byte bit 7 through the
+# sign-replicate mode of ``prmt`` (selector nibble bit 3: the selected byte's msb fills the
+# byte): odd codes already have their sign at a byte msb of ``w``, even codes at a byte msb of
+# ``w << 4``, so one ``prmt`` over the pool {w, w << 4} spreads the 4 signs of an output word
+# into 0xFF / 0x00 byte masks, and a single ``lop3`` merges ``mag | (mask & 0x80808080)``.
+#: prmt selectors of the sign masks: pool bytes 0..3 = ``w << 4``, 4..7 = ``w``; byte k of output
+#: word 0 (element k) takes the msb of (k even: (w << 4).byte(k / 2), k odd: w.byte(k / 2))
+_SIGN_SEL0 = 0xD9C8
+_SIGN_SEL1 = 0xFBEA
+
+
+def model_e2m1x8_to_e4m3x8_sm(w: int, lut_lo: int = E4M3_LUT_LO, lut_hi: int = E4M3_LUT_HI) -> Tuple[int, int]:
+    """Bit model of :func:`e2m1x8_to_e4m3x8_sm` (same instruction sequence); bit-identical to
+    :func:`model_e2m1x8_to_e4m3x8` (sign by OR) for every LUT whose bytes have bit 7 clear."""
+    w &= _M32
+    idx = w & 0x77777777
+    m0 = model_prmt(lut_lo, lut_hi, idx & 0xFFFF)
+    m1 = model_prmt(lut_lo, lut_hi, idx >> 16)
+    a = (w << 4) & _M32
+    k0 = model_prmt(a, w, _SIGN_SEL0)
+    k1 = model_prmt(a, w, _SIGN_SEL1)
+    return m0 | (k0 & 0x80808080), m1 | (k1 & 0x80808080)
+
+
+if _HAVE_DSL:
+
+    @dsl_user_op
+    def e2m1x8_to_e4m3x8_sm(w, lut_lo=None, lut_hi=None, *, loc=None, ip=None):
+        """:func:`e2m1x8_to_e4m3x8` (same result, same byte order, sign by OR) in 9 instructions
+        per word: 1 ``lop3`` + 1 shift + 2 ``prmt`` for the magnitudes, 1 shift + 2 sign-replicate
+        ``prmt`` + 2 ``lop3`` for the signs (module section above). LUT bytes must have bit 7
+        clear (every :func:`e4m3_lut` / :func:`e4m3_lut_shift` LUT)."""
+        w = Uint32(w)
+        lo = Uint32(E4M3_LUT_LO) if lut_lo is None else Uint32(lut_lo)
+        hi = Uint32(E4M3_LUT_HI) if lut_hi is None else Uint32(lut_hi)
+        idx = w & Uint32(0x77777777)
+        m0 = prmt(lo, hi, idx, loc=loc, ip=ip)
+        m1 = prmt(lo, hi, idx >> 16, loc=loc, ip=ip)
+        a = w << 4
+        k0 = prmt(a, w, Uint32(_SIGN_SEL0), loc=loc, ip=ip)
+        k1 = prmt(a, w, Uint32(_SIGN_SEL1), loc=loc, ip=ip)
+        return m0 | (k0 & Uint32(0x80808080)), m1 | (k1 & Uint32(0x80808080))

@@ -9,12 +9,15 @@ activations, contiguous and masked grouped layouts.
 Structure (one CTA per SM, persistent over work units = (token M-tile, 256-row weight tile);
 :mod:`kernels_dsl.sm90.scheduler`):
 
-* warpgroup 0 (``setmaxnreg.dec``), warp 0 = TMA producer: per K block one TMA of the token
-  tile ``[tile_m, BK]`` (E4M3 / BF16, 128B swizzle; rows past the tensor end are zero-filled by
-  the hardware, rows of the next expert are loaded but never stored) and one of the packed
-  weight tile ``[256 rows, BK/2 bytes]`` into a ``stages``-deep ring guarded by
+* warpgroup 0 (``setmaxnreg.dec``), warp 0 = TMA producer: a ``stages``-deep ring guarded by
   ``PipelineTmaAsync`` mbarriers (``stages`` from the shared-memory capacity,
-  :mod:`kernels_dsl.sm90.config`);
+  :mod:`kernels_dsl.sm90.config`) whose stage ``j`` of a unit holds the packed weight tile
+  ``[256 rows, BK/2 bytes]`` (+ its scale box) of K block ``j`` and the token tile ``[tile_m, BK]``
+  (E4M3 / BF16, 128B swizzle; rows past the tensor end are zero-filled by the hardware, rows of the
+  next expert are loaded but never stored) of K block ``j - 1``: exactly what the consumers use
+  together (decode of ``j`` while the WGMMAs of ``j - 1`` run), so they hold one stage at a time
+  and ``stages - 1`` loads stay in flight (``KB + 1`` stages per unit; stage 0 carries a spare copy
+  of token block 0 and stage ``KB`` one of weight block ``KB - 1``, for a fixed transaction count);
 * warpgroup 0, warps 1-3 = row prologue, running up to two work units ahead of the consumers:
   per unit the reference exponent of each of the 256 weight rows over its whole K and its column
   multiplier (:func:`kernels_dsl.sm90.transform.row_prologue`) into a 2-deep shared ring, handed
@@ -22,9 +25,12 @@ Structure (one CTA per SM, persistent over work units = (token M-tile, 256-row w
   consumers; empty: the reverse, after the unit's epilogue);
 * 1-2 consumer warpgroups (``setmaxnreg.inc``), 64 token rows each, which also do the operand
   transform: consumer warpgroup ``w`` decodes its ``256 / consumers`` weight rows of each K block
-  (packed E2M1 + UE8M0 / E4M3 scales, :func:`kernels_dsl.sm90.transform.decode_row_chunk`; 4 or 8
-  (row, 16-byte chunk) items per thread, scale bytes prefetched one K block ahead from global)
-  into a double-buffered 128B-swizzled E4M3 / BF16 tile. The decode of block ``k + 1`` runs while
+  (packed E2M1 + UE8M0 / E4M3 scales; 4 or 8 (row, 16-byte chunk) items per thread; the scale
+  bytes come with the TMA stage, or from global memory one K block ahead) into a double-buffered
+  128B-swizzled E4M3 / BF16 tile: W4A8 with :meth:`Fp4GroupedGemmKernel._decode_fp8` (9 integer
+  instructions per 8 codes, ``fp4.e2m1x8_to_e4m3x8_sm`` semantics: prmt magnitude LUT + sign masks
+  from the sign-replicate prmt, shared by the NVFP4 hi / lo parts), W4A16 with
+  :func:`kernels_dsl.sm90.transform.decode_row_chunk`. The decode of block ``k + 1`` runs while
   the tensor core executes the asynchronous WGMMAs of block ``k`` (issue, decode, ``wgmma.wait``);
   one ``fence.proxy.async`` + named barrier over the consumer warpgroups per K block publishes the
   decoded tile (and frees the other slot). MMA: WGMMA ``m64n128`` per half of the weight tile
@@ -41,25 +47,38 @@ Structure (one CTA per SM, persistent over work units = (token M-tile, 256-row w
   acc * col_scale`` (fp32). Rows past an expert's count are never stored.
 
 Registers: the launch gives 168 per thread (384 threads); ``setmaxnreg.inc`` only hands out what
-``.dec`` released, so warpgroup 0 runs at 40 and the consumers at 232 (40 + 2 x 232 = 504 = 3 x
-168, DeepGEMM's split; a larger total deadlocks at launch, seen on the H200 in job moegemm-02).
+``.dec`` released (a larger total deadlocks at launch, seen on the H200 in job moegemm-02), so
+warpgroup 0 + 2 consumer warpgroups share 3 x 168: W4A8 24 / 240 (the consumer K loop then has no
+spill: 192 accumulator registers + the decode; the producer / row-prologue warps spill a few
+words instead, off the critical path; job moe-22: 1.06-1.15x over 40 / 232), W4A16 40 / 232
+(no spills either way; 24 / 240 measured 2% slower there).
 
 Precision contract (tests/test_moe.py, tests/test_moe_decode.py): W4A8 GEMM2 relative
 (Frobenius) error vs the exact-dequant fp32 reference on the same FP8 ``h`` <= 5e-3, NVFP4
-included; W4A16 <= 1e-5. Measured on the H200 (jobs moe-11, moe-12: 9 experts, D 512 / 1024, I 256 /
-512, contiguous + masked, both token tiles, capped grids, both scale paths): W4A8 1.1e-4 (MXFP4) /
-1.9e-4 (NVFP4), W4A16 5.2e-7 / 5.7e-7; ``h_s`` equal to the reference's on >= 99.99% of rows. Weight-scale folding bounds:
+included; W4A16 <= 1e-5. Measured on the H200 (jobs moe-11, moe-12, moe-21..23: 9 experts, D 512 /
+1024, I 256 / 512, contiguous + masked, both token tiles, capped grids, both scale paths): W4A8
+1.1e-4 (MXFP4) / 1.9e-4 (NVFP4), W4A16 5.2e-7 / 5.7e-7; at the Flash shape the outputs are
+bit-identical to the previous kernel's (moe-23); ``h_s`` equal to the reference's on >= 99.99% of rows. Weight-scale folding bounds:
 :mod:`kernels_dsl.sm90.transform`.
 
-Performance (DSV4-Flash MXFP4 W4A8, GEMM1 + GEMM2, CUDA-graph replay, H200; docs/benchmarks.md):
-job moe-12 T=4096 2924 us (423 TFLOP/s, 1.29x moe.cu v4), T=16384 9749 us (508 TFLOP/s), T=4 masked
-281 us (26% of copy BW on the active experts' weights), T=64 2038 us (30%); the previous structure
-(3 transform warps) took 8728 / 27280 / 349 / 5089 us (moegemm-03). Limiter (moe-12 GEMM2
-diagnostics): the decode of block k + 1 and the WGMMAs of block k still largely serialize (each ~155
-us of 1001 alone, ~500 together). Reading (not profiled): shared-memory bandwidth -- per 128 x 256
-x 128 K block the WGMMAs read 96 KB (A per half, B per warpgroup), the decode moves 48 KB and the TMA
-writes 36 KB, ~1400 cycles at 128 B/clk against 1024 for the MMA. Next: register-sourced WGMMA
-(swap-AB, decoded weights straight into the A fragments) so decoded weights never touch smem.
+Performance (DSV4-Flash, GEMM1 + GEMM2, uniform top-6, CUDA-graph replay, H200; docs/benchmarks.md),
+job moe-23, same run, tree before this change (= moe-13) -> now: MXFP4 W4A8 T=1024 2535 -> 2264 us,
+T=4096 2950 -> 2586 us (419 -> 478 TFLOP/s), T=16384 9665 -> 8938 us (512 -> 554 TFLOP/s); NVFP4
+W4A8 T=4096 5549 -> 4433 us; W4A16 T=4096 3860 -> 3854 us. Profile (ncu, GEMM2 T=4096, jobs
+moe-21 / moe-22): not bandwidth-bound (DRAM 26%, L1 52%, shared-memory stalls 3-10%) but
+latency-bound: 3 warps per scheduler, 0.5 eligible, issue slots 33-38% busy; the consumer K loop
+is ~52% of the warp samples (stalls: fixed-latency dependencies 22%, issuing 19%, dispatch 10%,
+shared loads 10%, long scoreboard 8% -- was 26% from spill reloads before 24 / 240), the per-unit
+code (epilogue, block-0 decode, prologue hand-off) ~10%, TMA waits ~8%. The loop issues ~475
+instructions per thread per 128-K block (128 promotion FFMAs, 144 decode, ~60 WGMMA descriptor
+moves, ~80 per-item addressing / LUT / shared traffic), i.e. ~950 issue slots per scheduler
+against 1024 tensor-core cycles: the two consumer warps per scheduler can neither hide their
+latencies nor leave the tensor core busy. Tried and lost (moe-21 / moe-22): activation scales one
+block ahead (spills), all shared loads of a step first (more live registers: GEMM1 5% slower),
+split-N warpgroups (each consumer warpgroup one weight half for 128 rows, no per-K-block barrier
+between them: 10-20% slower, more registers). Next: fewer instructions per weight (WGMMA
+descriptors kept in uniform registers, one scale word and LUT setup per row instead of per item)
+and overlapping the next unit's block-0 decode and the epilogue with the MMA.
 
 Constraints (checked by the host wrapper, :mod:`kernels_dsl.moe`): ``K % BK == 0`` (128 FP8 /
 64 BF16), ``N % 256 == 0``, ``K / SF % 4 == 0``, contiguous row-major tensors, 16-byte aligned
@@ -80,7 +99,8 @@ try:
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
     from .epilogue import epilogue_gemm1, epilogue_gemm2, promote
-    from .ptx import ld_global_nc_f32, ld_shared_b32, st_shared_b32
+    from . import fp4
+    from .ptx import ld_global_nc_f32, ld_shared_b32, ld_shared_v4, st_shared_b32, st_shared_v4
     from .scheduler import build_schedule, sched_words, unit_lookup
     from .transform import (HALF_TILE_BYTES, decode_row_chunk, decoded_offset, ld_nc_u8, ld_nc_u16, row_prologue,
                             row_prologue_v4)
@@ -101,6 +121,20 @@ ITEMS = -(-TILE_N * 4 // PROLOGUE_THREADS)
 
 
 if _HAVE_DSL:
+
+    @cute.jit
+    def _mag_sign(w: Uint32, lo: Uint32, hi: Uint32):
+        """One packed E2M1 word -> (magnitude bytes of codes 0..3, of 4..7, sign bits of 0..3, of
+        4..7): the magnitudes by a ``prmt`` LUT lookup, the signs as byte-msb masks
+        (``fp4.e2m1x8_to_e4m3x8_sm``'s sign-replicate ``prmt`` over {w << 4, w}); E4M3 byte =
+        ``mag | sign`` (``mag ^ sign`` for LUT bytes that carry their own sign)."""
+        idx = w & Uint32(0x77777777)
+        m0 = fp4.prmt(lo, hi, idx)
+        m1 = fp4.prmt(lo, hi, idx >> 16)
+        a = w << 4
+        k0 = fp4.prmt(a, w, Uint32(fp4._SIGN_SEL0)) & Uint32(0x80808080)
+        k1 = fp4.prmt(a, w, Uint32(fp4._SIGN_SEL1)) & Uint32(0x80808080)
+        return m0, m1, k0, k1
 
     class Fp4GroupedGemmKernel:
         """See the module docstring. ``__call__(mA, mAs, mW, mWs, mG, mRS, mRC, mRW, mOut, mOutS,
@@ -143,6 +177,9 @@ if _HAVE_DSL:
             #: diagnostics only (wrong results): bit 1 no epilogue stores, 2 no transform global loads,
             #: 4 no activation-scale loads, 8 no decode smem traffic, 16 no WGMMA
             self.debug = debug
+            #: W4A8 decodes with :meth:`_decode_fp8` (9-instruction words, sign masks shared by the NVFP4
+            #: hi / lo parts); W4A16 with :func:`~kernels_dsl.sm90.transform.decode_row_chunk`
+            self.fast_dec = self.fp8
 
         @cute.jit
         def __call__(self, mA: cute.Tensor, mAs: cute.Tensor, mW: cute.Tensor, mWs: cute.Tensor,
@@ -247,13 +284,20 @@ if _HAVE_DSL:
                             gS = cute.local_tile(mSt, (TILE_N, 16), (e * NT + nt, None))
                             tSsS, tSgS = cpasync.tma_partition(tma_s, 0, cute.make_layout(1),
                                                                cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
-                        for k in cutlass.range(KB, unroll=1):
+                        # stage j of a unit = packed weights (+ scales) of K block j and the token
+                        # tile of K block j - 1: exactly what the consumers use together (decode of
+                        # j while the WGMMAs of j - 1 run), so they hold one stage at a time. Stage
+                        # 0 carries a spare copy of A block 0 and stage KB one of W block KB - 1
+                        # (fixed transaction bytes per stage; the consumers ignore them).
+                        for j in cutlass.range(KB + 1, unroll=1):
+                            kw = cutlass.min(j, KB - 1)
                             pipe.producer_acquire(ps)
                             bar = pipe.producer_get_barrier(ps)
-                            cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, ps.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, ps.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_b, tBgB[(None, kw)], tBsB[(None, ps.index)], tma_bar_ptr=bar)
                             if cutlass.const_expr(self.scale_tma):
-                                cute.copy(tma_s, tSgS[(None, k // self.q)], tSsS[(None, ps.index)], tma_bar_ptr=bar)
+                                cute.copy(tma_s, tSgS[(None, kw // self.q)], tSsS[(None, ps.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_a, tAgA[(None, cutlass.max(j - 1, 0))], tAsA[(None, ps.index)],
+                                      tma_bar_ptr=bar)
                             pipe.producer_commit(ps)
                             ps.advance()
                     pipe.producer_tail(ps)
@@ -298,8 +342,7 @@ if _HAVE_DSL:
                 NI = self.ni
                 rbr = cute.make_rmem_tensor((NI,), Int32)
                 scv = cute.make_rmem_tensor((NI,), Uint32)
-                cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)   # MMA / release
-                rs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)   # decode / wait
+                cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 g = Int32(0)
                 for ui in cutlass.range(n_my, unroll=1):
                     u = bidx + ui * gdim
@@ -307,33 +350,38 @@ if _HAVE_DSL:
                     b = ui % 2
                     wrow0 = e * n_w + nt * TILE_N
                     ws_t = ws_base + Int64(wrow0 + row_l0) * KSF
-                    ra0 = Int64(cutlass.min(row0 + r_first, R - 1)) * KB128
-                    ra1 = Int64(cutlass.min(row0 + r_first + 8, R - 1)) * KB128
+                    # activation-scale element offsets of the thread's rows (32-bit: R * K / 128 < 2^31)
+                    ra0 = cutlass.min(row0 + r_first, R - 1) * KB128
+                    ra1 = cutlass.min(row0 + r_first + 8, R - 1) * KB128
+                    rbp = rb_addr + b * (TILE_N * 4) + row_l0 * 4        # row references of item 0 (+128 B / item)
                     for j in cutlass.range_constexpr(NI):
                         scv[j] = Uint32(127)
                         if cutlass.const_expr(not (self.debug & 2) and not self.scale_tma):
                             scv[j] = self._scale_load(ws_t + Int64(j * 32) * KSF, Int32(0), c)
                     # the row prologue of this unit (reference exponents, column multipliers) is ready
                     cute.arch.barrier(barrier_id=BAR_PFULL + b, number_of_threads=nbar_p)
-                    for j in cutlass.range_constexpr(NI):
-                        rbr[j] = Int32(ld_shared_b32(rb_addr + b * (TILE_N * 4) + (row_l0 + 32 * j) * 4))
+                    if cutlass.const_expr(not self.fast_dec):
+                        for j in cutlass.range_constexpr(NI):
+                            rbr[j] = Int32(ld_shared_b32(rbp + 128 * j))
                     acc0.fill(0.0)
                     acc1.fill(0.0)
-                    # K block 0 of the unit: decode into slot g % 2 (not overlapped)
-                    pipe.consumer_wait(rs)
-                    self._decode(0, NI, rs.index, g % 2, Int32(0), KB, src0, ss0, sD_addr, doff_a, doff_b, cw, ws_t, KSF,
-                                 c, rbr, scv)
-                    rs.advance()
+                    # stage 0 of the unit: decode K block 0 into slot g % 2 (not overlapped), free it
+                    pipe.consumer_wait(cs)
+                    self._decode(0, NI, cs.index, g % 2, Int32(0), KB, src0, ss0, sD_addr, doff_a, doff_b, cw, ws_t, KSF,
+                                 c, rbr, scv, rbp)
+                    pipe.consumer_release(cs)
+                    cs.advance()
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier(barrier_id=BAR_K, number_of_threads=nbar_k)
                     for k in cutlass.range(KB, unroll=1):
                         ds = g % 2
-                        more = k + 1 < KB
                         sa0 = Float32(1.0)
                         sa1 = Float32(1.0)
                         if cutlass.const_expr(self.fp8 and not (self.debug & 4)):
-                            sa0 = ld_global_nc_f32(as_base + (ra0 + k) * 4)
-                            sa1 = ld_global_nc_f32(as_base + (ra1 + k) * 4)
+                            sa0 = ld_global_nc_f32(as_base + Int64(ra0 + k) * 4)
+                            sa1 = ld_global_nc_f32(as_base + Int64(ra1 + k) * 4)
+                        # stage k + 1: token tile of block k, packed weights of block k + 1
+                        pipe.consumer_wait(cs)
                         if cutlass.const_expr(self.fp8):
                             for h in cutlass.range_constexpr(2):
                                 sub = (ds * 2 + h) * self.parts
@@ -346,13 +394,9 @@ if _HAVE_DSL:
                                                       tCrB[(None, None, kk, sub + p)], part)
                                 warpgroup.commit_group()
                                 # while the tensor core works: decode half of the next K block's items
-                                # (unconditionally: after the last block it decodes don't-care bytes into
-                                # the free slot, which keeps the scale prefetch out of a branch)
-                                if cutlass.const_expr(h == 0):
-                                    if more:
-                                        pipe.consumer_wait(rs)
-                                self._decode(h * (NI // 2), (h + 1) * (NI // 2), rs.index, 1 - ds, k + 1, KB,
-                                             src0, ss0, sD_addr, doff_a, doff_b, cw, ws_t, KSF, c, rbr, scv)
+                                # (after the last block: the stage's spare bytes into the free slot)
+                                self._decode(h * (NI // 2), (h + 1) * (NI // 2), cs.index, 1 - ds, k + 1, KB,
+                                             src0, ss0, sD_addr, doff_a, doff_b, cw, ws_t, KSF, c, rbr, scv, rbp)
                                 warpgroup.wait_group(0)
                                 if cutlass.const_expr(h == 0):
                                     promote(acc0, part, sa0, sa1)
@@ -371,16 +415,12 @@ if _HAVE_DSL:
                                             cute.gemm(tiled_mma, acc1, tCrA[(None, None, kk, cs.index)],
                                                       tCrB[(None, None, kk, ds * 2 + 1)], acc1)
                             warpgroup.commit_group()
-                            if more:
-                                pipe.consumer_wait(rs)
-                            self._decode(0, NI, rs.index, 1 - ds, k + 1, KB, src0, ss0, sD_addr, doff_a, doff_b, cw,
-                                         ws_t, KSF, c, rbr, scv)
+                            self._decode(0, NI, cs.index, 1 - ds, k + 1, KB, src0, ss0, sD_addr, doff_a, doff_b, cw,
+                                         ws_t, KSF, c, rbr, scv, rbp)
                             warpgroup.wait_group(0)
-                        # the activation tile of block k (and its packed weights, decoded before) are free
+                        # the stage (token tile of block k, packed weights of block k + 1) is consumed
                         pipe.consumer_release(cs)
                         cs.advance()
-                        if more:
-                            rs.advance()
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier(barrier_id=BAR_K, number_of_threads=nbar_k)
                         g = g + 1
@@ -400,11 +440,22 @@ if _HAVE_DSL:
         @cute.jit
         def _decode(self, j0: cutlass.Constexpr[int], j1: cutlass.Constexpr[int], slot: Int32, ds: Int32, k: Int32,
                     KB: Int32, src0: Int32, ss0: Int32, dst0: Int32, doff_a: Int32, doff_b: Int32, cw: Int32,
-                    ws_t: Int64, KSF: Int32, c: Int32, rbr: cute.Tensor, scv: cute.Tensor):
+                    ws_t: Int64, KSF: Int32, c: Int32, rbr: cute.Tensor, scv: cute.Tensor, rbp: Int32):
             """Decode items ``j0 <= j < j1`` of this thread of K block ``k`` from TMA stage ``slot`` into
             decoded slot ``ds``, and prefetch their scale byte(s) of block ``k + 1``. Item ``j``: weight
             row ``cw * rows_wg + t // 4 + 32 j`` (half ``hf``, row ``t // 4 + 32 (j % 4)`` in the half),
             chunk ``c``; ``src0`` / ``dst0`` / ``doff_*`` / ``ws_t``: the thread's item-0 addresses."""
+            if cutlass.const_expr(self.fast_dec):
+                self._decode_fp8(j0, j1, slot, ds, k, KB, src0, ss0, dst0, doff_a, doff_b, cw, ws_t, KSF, c, rbr, scv, rbp)
+            else:
+                self._decode_items(j0, j1, slot, ds, k, KB, src0, ss0, dst0, doff_a, doff_b, cw, ws_t, KSF, c, rbr,
+                                   scv, rbp)
+
+        @cute.jit
+        def _decode_items(self, j0: cutlass.Constexpr[int], j1: cutlass.Constexpr[int], slot: Int32, ds: Int32,
+                          k: Int32, KB: Int32, src0: Int32, ss0: Int32, dst0: Int32, doff_a: Int32, doff_b: Int32,
+                          cw: Int32, ws_t: Int64, KSF: Int32, c: Int32, rbr: cute.Tensor, scv: cute.Tensor, rbp: Int32):
+            """:meth:`_decode` item by item with :func:`kernels_dsl.sm90.transform.decode_row_chunk`."""
             sbo = Int32(0)
             if cutlass.const_expr(self.scale_tma):
                 sbo = (k % self.q) * self.spk + self._scale_sub(c)     # byte of the thread's chunk in the box
@@ -426,6 +477,81 @@ if _HAVE_DSL:
                 if cutlass.const_expr(not (self.debug & 8)):
                     decode_row_chunk(src, base + doff_a, base + doff_b, HALF_TILE_BYTES, sc, rbr[j], self.fp8,
                                      self.nvfp4)
+
+        def _item_loads(self, j, slot, src0, ss0, sbo, rbp, pk, sw, rbs):
+            """Shared loads of decode item ``j`` (trace-time helper): packed chunk, row reference and
+            (scale TMA) the scale word, appended to ``pk`` / ``rbs`` / ``sw``."""
+            pk.append(ld_shared_v4(src0 + slot * (TILE_N * self.pb) + (32 * j) * self.pb))
+            rbs.append(Int32(ld_shared_b32(rbp + 128 * j)))
+            if cutlass.const_expr(self.scale_tma):
+                sw.append(ld_shared_b32(ss0 + slot * (TILE_N * 16) + (32 * j) * 16 + (sbo & ~3)))
+
+        @cute.jit
+        def _decode_fp8(self, j0: cutlass.Constexpr[int], j1: cutlass.Constexpr[int], slot: Int32, ds: Int32,
+                        k: Int32, KB: Int32, src0: Int32, ss0: Int32, dst0: Int32, doff_a: Int32, doff_b: Int32,
+                        cw: Int32, ws_t: Int64, KSF: Int32, c: Int32, rbr: cute.Tensor, scv: cute.Tensor, rbp: Int32):
+            """W4A8 :meth:`_decode`: every shared load of items ``j0 <= j < j1`` (packed chunk + scale
+            word) is issued before the first decode (the loads are ordered asm: one memory round trip
+            per step instead of one per item), then each item decodes with
+            :func:`kernels_dsl.sm90.fp4.e2m1x8_to_e4m3x8_sm` semantics (9 integer instructions per 8
+            codes; NVFP4: the sign masks are shared by the hi and lo parts)."""
+            sbo = Int32(0)
+            if cutlass.const_expr(self.scale_tma):
+                sbo = (k % self.q) * self.spk + self._scale_sub(c)
+            pk = []
+            sw = []
+            rbs = []
+            for j in cutlass.range_constexpr(j0, j1):
+                if cutlass.const_expr(not self.scale_tma):
+                    sw.append(scv[j])
+                    if cutlass.const_expr(not (self.debug & 2)):
+                        scv[j] = self._scale_load(ws_t + Int64(j * 32) * KSF, cutlass.min(k + 1, KB - 1), c)
+            for i in cutlass.range_constexpr(j1 - j0):
+                j = j0 + i
+                self._item_loads(j, slot, src0, ss0, sbo, rbp, pk, sw, rbs)
+                sc = sw[i]
+                if cutlass.const_expr(self.scale_tma):
+                    sc = (sc >> Uint32(8 * (sbo & 3))) & Uint32(0xFFFF if self.nvfp4 else 0xFF)
+                hf = cw
+                if cutlass.const_expr(self.nc == 1):
+                    hf = Int32(j // 4)
+                base = dst0 + ((ds * 2 + hf) * self.parts) * HALF_TILE_BYTES + 4096 * (j % 4)
+                if cutlass.const_expr(not (self.debug & 8)):
+                    w = pk[i]
+                    if cutlass.const_expr(not self.nvfp4):
+                        d = Int32(sc & Uint32(0xFF)) - rbs[i] + 6
+                        lo = Uint32(0)
+                        hi = Uint32(0)
+                        if d >= fp4.SHIFT_RANGE[0]:
+                            lo, hi = fp4.e4m3_lut_shift(d)
+                        else:
+                            lo, hi = fp4.e4m3_lut(d)
+                        o = []
+                        for q in cutlass.range_constexpr(4):
+                            m0, m1, k0, k1 = _mag_sign(w[q], lo, hi)
+                            o.append(m0 | k0)
+                            o.append(m1 | k1)
+                        st_shared_v4(base + doff_a, o[0], o[1], o[2], o[3])
+                        st_shared_v4(base + doff_b, o[4], o[5], o[6], o[7])
+                    else:
+                        s0, s1 = fp4.e4m3x2_to_f32x2(sc)
+                        inv = fp4.exp2i(-rbs[i])
+                        h0l, h0h, l0l, l0h = fp4.e4m3_hilo_lut(s0 * inv)
+                        h1l, h1h, l1l, l1h = fp4.e4m3_hilo_lut(s1 * inv)
+                        oh = []
+                        ol = []
+                        for q in cutlass.range_constexpr(4):
+                            hl, hh, ll, lh = (h0l, h0h, l0l, l0h) if q < 2 else (h1l, h1h, l1l, l1h)
+                            m0, m1, k0, k1 = _mag_sign(w[q], hl, hh)
+                            oh.append(m0 | k0)
+                            oh.append(m1 | k1)
+                            idx = w[q] & Uint32(0x77777777)
+                            ol.append(fp4.prmt(ll, lh, idx) ^ k0)
+                            ol.append(fp4.prmt(ll, lh, idx >> 16) ^ k1)
+                        st_shared_v4(base + doff_a, oh[0], oh[1], oh[2], oh[3])
+                        st_shared_v4(base + doff_b, oh[4], oh[5], oh[6], oh[7])
+                        st_shared_v4(base + doff_a + HALF_TILE_BYTES, ol[0], ol[1], ol[2], ol[3])
+                        st_shared_v4(base + doff_b + HALF_TILE_BYTES, ol[4], ol[5], ol[6], ol[7])
 
         # ---------------------------------------------------------------- row-prologue warps
         @cute.jit
