@@ -1,7 +1,7 @@
 """Benchmark: MoE decode (masked layout, few tokens per active expert), decode kernel
-(kernels_cuda/moe_decode.cu) vs the prefill kernel on the same inputs (``DSV4_MOE_DECODE=0``)
-and vs the CuTe DSL grouped GEMM (kernels_dsl/moe.py, forced, with the ``max_m`` hint),
-against the weight-byte floor, in one process on the H200.
+(kernels_cuda/moe_decode.cu, its tuning variants) vs the CuTe DSL grouped GEMM (kernels_dsl/moe.py,
+forced, with the ``max_m`` hint) on the same inputs, against the weight-byte floor, in one process on
+the H200.
 
 Timed: GEMM1 (W13 + clamped SwiGLU + routing weight + FP8 requant / bf16 h) + GEMM2 (W2), replayed
 from a CUDA graph (``bench._util.time_graph``) that rotates over several routings whose active
@@ -40,7 +40,9 @@ def masked_group(E, D, act, experts, m, seed):
     else:
         a, a_s = x.to(torch.bfloat16), None
     rw = torch.rand(R, device="cuda", generator=g)
-    return MoEGrouped(a, a_s, row_start, counts, rw, torch.zeros(1, dtype=torch.int64, device="cuda"))
+    # pos: one entry per assignment (the ops size the cuda decode plan from pos.numel(), dsv4/ops/moe.py)
+    pos = torch.full((len(experts) * m,), -1, dtype=torch.int64, device="cuda")
+    return MoEGrouped(a, a_s, row_start, counts, rw, pos)
 
 
 def groups_for(E, D, act, n, m):
@@ -97,7 +99,6 @@ def main():
                     floor = n * (b13 + b2) / (bw * 1e9) * 1e6
                     MMA, WG = {"DSV4_MOE_DECODE_MMA": "1"}, {"DSV4_MOE_DECODE_MMA": "0"}
                     variants = [("decode mma.sync", MMA), ("decode wgmma", WG),
-                                ("old (DSV4_MOE_DECODE=0)", {"DSV4_MOE_DECODE": "0"}),
                                 ("dsl (kernels_dsl/moe.py)", {"DSL": "1"})]
                     if not args.quick and fmt == "mxfp4" and m == 1:
                         variants += [("mma.sync splitk=1", {**MMA, "DSV4_MOE_DECODE_SPLITK": "1"}),

@@ -81,17 +81,13 @@ VARS: dict[str, Var] = {
         "Compaction scheme of `topk.cu` (`TOPK_APPEND`): 0 = warp-aggregated atomics on one shared "
         "counter (default), 1 = block-wide scan compaction, one atomic per CTA per tile "
         "(`kernels_cuda/topk.py`, read at import). Same results either way."),
-    "DSV4_RUN_UNVALIDATED": Var("flag", 0, _FLAG,
-        "1: the GPU tests and benchmarks of kernels not yet validated on the H200 (a format outside "
-        "`kernels_dsl/indexer.py` `PREFILL_VALIDATED`, which the registry then picks) run them; otherwise they "
-        "skip. Such a kernel may hang or fault: set it only in a time-boxed validation job."),
     # ---------------------------------------------------------------- MoE decode (kernels_cuda/moe_decode.py)
     "DSV4_MOE_DECODE": Var("flag", 1, _FLAG,
         "0: never use the CUDA decode kernel (`moe_decode.cu`); the grouped GEMMs then run on the CuTe DSL "
         "provider."),
     "DSV4_MOE_DECODE_MAXM": Var("int", 16, range(0, 17),
-        "Largest `ceil(R / E)` (masked layout: `max_m`) sent to the decode kernel (at most 16; 0 = "
-        "never)."),
+        "Largest average assignments per expert, `ceil(min(R, T * topk) / E)`, sent to the decode kernel "
+        "(at most 16; 0 = never); any one expert may hold more rows: the kernel cuts it into token chunks."),
     "DSV4_MOE_DECODE_MMA": Var("int", 1, _FLAG,
         "Decode consumer math: 1 = per-warp `mma.sync` m16n8k16 (default; GPU tests passed and timed "
         "on the H200 2026-11-29), 0 = warpgroup RS WGMMA m64nNk16. Same results up to FP32 order."),

@@ -1,5 +1,5 @@
 // moe_decode.cuh: device helpers of the MoE decode kernel (moe_decode.cu). Hopper sm_90a only.
-// Self-contained (includes only common.cuh) so that it does not depend on moe.cuh.
+// Self-contained (includes only common.cuh).
 //
 // * mbarrier (init / arrive / expect_tx / try_wait.parity), 1-D bulk copies
 //   (cp.async.bulk ... mbarrier::complete_tx::bytes), cp.async + cp.async.mbarrier.arrive.noinc.

@@ -5,10 +5,12 @@ Not a provider module (no ``PROVIDERS``): the ``cuda`` providers of ``kernels_cu
 measured faster than the CuTe DSL grouped GEMM: job moe-12) and in ``run``. Same op semantics and
 outputs as the other providers (``moe_gemm1_swiglu``, ``moe_gemm2``).
 
-When it applies (:func:`plan`): ``ceil(R / E) <= DECODE_MAX_M`` (masked layout: ``R = E * max_m``,
-so ``max_m <= DECODE_MAX_M``; contiguous layout: few rows per expert on average; any per-expert
-distribution is correct, an expert with many rows is cut into chunks of ``NT`` tokens), ``N % 256
-== 0``, ``K % 128 == 0``. Environment: ``DSV4_MOE_DECODE=0`` turns it off (the grouped GEMMs then
+When it applies (:func:`plan`): ``ceil(R / E) <= DECODE_MAX_M`` where the providers pass as ``R``
+the assignments ``min(R, T * topk)`` (kernels_cuda/moe.py ``_rows``; the masked layout's ``E * max_m``
+slots are mostly empty at decode): few rows per expert on average; any per-expert distribution is
+correct, an expert with many rows (up to ``max_m`` in the masked layout) is cut into chunks of ``NT``
+tokens, and the grid (:func:`grid_size`) is bounded from the real ``R``), ``N % 256 == 0``,
+``K % 128 == 0``. Environment: ``DSV4_MOE_DECODE=0`` turns it off (the grouped GEMMs then
 run on the CuTe DSL provider);
 ``DSV4_MOE_DECODE_MAXM`` (default :data:`DECODE_MAX_M`), and for benchmarks
 ``DSV4_MOE_DECODE_BULK`` (:data:`DECODE_BULK`), ``DSV4_MOE_DECODE_MMA`` (:data:`DECODE_MMA`),

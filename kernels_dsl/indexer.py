@@ -17,7 +17,7 @@
   3.0e-7 / 3.3e-7 x row max vs fp64, 3160 us at 8192 x 16384 causal vs 7090 us for the exact CUDA
   kernel, DeepGEMM FP8 1834 us, job idx-15); NVFP4 (BF16 operands after ``dequant_fp4``) job lead-38.
 * ``indexer_topk_paged`` (decode selection): :class:`DslTopkPagedFused` -- where the batch gives the
-  select kernel >= 4 CTAs per row (B * next_n <= 33), the decode logits kernel with a selection-
+  select kernel >= 4 CTAs per row (B * next_n <= 33, next_n <= 2), the decode logits kernel with a selection-
   histogram epilogue, then ``topk_select_kernel`` (kernels_cuda/topk.cu, no histogram pass); else the
   logits kernel, then the ``topk`` op. Bitwise the two ops in sequence (jobs fused-01 / fused-02).
 
@@ -46,7 +46,7 @@ from dsv4.registry import Support
 from ._compile import DslProvider, compile_cached, compile_options, dl, dsl_target_support, launch_on
 
 __all__ = ["PagedConfig", "paged_config", "paged_smem_bytes", "DslPagedLogits", "DslLogits", "prefill_logits_dsl",
-           "DslTopkPagedFused", "hist_config", "FUSED_MIN_SPLITS", "PREFILL_VALIDATED", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
+           "DslTopkPagedFused", "hist_config", "FUSED_MIN_SPLITS", "PREFILL_FORMATS", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
 
 #: what every compiled decode variant's PTX contains (tests/test_compile_dsl.py)
 PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3",
@@ -244,7 +244,7 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
     ``q_global * k_global`` (float32 [1] each, required, > 0) applied per key after the head sum; FP8 keys through the
     FP8 WGMMA, ``operand="e4m3"``, keep only ~14 accumulator bits: 2.28e-3 x the row max on short
     rows in job idx-11, outside the op's 2e-3 contract). The ``dsl`` provider of ``indexer_logits``
-    (:class:`DslLogits`) calls this for the formats in :data:`PREFILL_VALIDATED`. A few launches
+    (:class:`DslLogits`) calls this for every format. A few launches
     (operand conversion of q and K, then the GEMM kernel); no host sync, graph-capturable.
     """
     import torch
@@ -308,16 +308,14 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
     return out
 
 
-#: Key formats whose prefill passed its GPU gates on the H200, 2026-12-01: MXFP4 (jobs idx-11 /
-#: idx-12: max error 4.5e-7 x row max vs fp64 on the same values, recall (b) identical to the exact
-#: CUDA path, graph capture, tests/test_indexer.py's prefill / recall / cosine gates with it as the
-#: default) and FP8 keys on the BF16-operand variant (job idx-14: 3.0e-7 packed sequences, 3.3e-7
-#: short rows, graph capture) and NVFP4 keys on the same BF16 variant (job lead-38: the op's prefill,
-#: exhaustive E2M1 and out-of-range gates of tests/test_indexer.py through the registry, 7.0e-7 max
-#: relative difference to the exact CUDA kernel it replaced, 1.48x faster at 8192 x 16384 causal).
-#: ``DSV4_RUN_UNVALIDATED=1`` lets the registry pick the kernel for a format outside this list
-#: (validation jobs only).
-PREFILL_VALIDATED = ("mxfp4", "fp8", "nvfp4")
+#: Prefill validation on the H200, 2026-12-01 (every format of :data:`PREFILL_FORMATS`): MXFP4 jobs
+#: idx-11 / idx-12 (max error 4.5e-7 x row max vs fp64 on the same values, recall (b) identical to the
+#: exact CUDA path, graph capture, tests/test_indexer.py's prefill / recall / cosine gates with it as the
+#: default); FP8 keys on the BF16-operand variant job idx-14 (3.0e-7 packed sequences, 3.3e-7 short
+#: rows, graph capture); NVFP4 keys on the same BF16 variant job lead-38 (the op's prefill, exhaustive
+#: E2M1 and out-of-range gates of tests/test_indexer.py through the registry, 7.0e-7 max relative
+#: difference to the exact CUDA kernel it replaced, 1.48x faster at 8192 x 16384 causal); all of it
+#: again on the final tree, job lead-39.
 
 
 class DslLogits(_DslBase):
@@ -329,9 +327,6 @@ class DslLogits(_DslBase):
         no = self._target(problem, target, nvfp4=True)
         if no is not None:
             return no
-        from dsv4.config import env_flag
-        if problem["fmt"] not in PREFILL_VALIDATED and not env_flag("DSV4_RUN_UNVALIDATED"):
-            return Support.no(f"dsl: {problem['fmt']} prefill has not passed its GPU gates (PREFILL_VALIDATED)")
         if problem["fmt"] == "fp8":
             return Support.yes("sm_90a, FP8 keys widened exactly to BF16 (BF16 WGMMA, full FP32 accumulation)")
         if problem["fmt"] == "nvfp4":
@@ -419,10 +414,13 @@ class DslTopkPagedFused(DslPagedLogits):
             return Support.no(f"dsl: k={problem['k']} outside 1..2048")
         return Support.yes("sm_90a, MXFP4 / FP8 keys: logits kernel (+ selection histogram) + select kernel")
 
-    def use_fused(self, rows: int, max_ctx: int, device) -> bool:
-        """The fused path for ``rows`` logit rows of ``max_ctx`` columns (:data:`FUSED_MIN_SPLITS`)."""
+    def use_fused(self, rows: int, max_ctx: int, device, next_n: int = 1) -> bool:
+        """The fused path for ``rows`` logit rows of ``max_ctx`` columns (:data:`FUSED_MIN_SPLITS`),
+        next_n 1 and 2 only: the histogram variant's ring for next_n 3 / 4 does not fit the CTAs per SM
+        of the plain kernel's config and was never timed on the H200 (those take the composed path)."""
         from kernels_cuda.topk import select_splits
-        return max_ctx % 4 == 0 and select_splits(rows, max_ctx, _sm_count(device)) >= FUSED_MIN_SPLITS
+        return (next_n <= 2 and max_ctx % 4 == 0
+                and select_splits(rows, max_ctx, _sm_count(device)) >= FUSED_MIN_SPLITS)
 
     def run_composed(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
         """The two ops in sequence: DSL logits kernel, then the ``topk`` op."""
@@ -451,7 +449,7 @@ class DslTopkPagedFused(DslPagedLogits):
         rows = B * nn
         dev = q_data.device
         if fused is None:
-            fused = B > 0 and self.use_fused(rows, max_ctx, dev)
+            fused = B > 0 and self.use_fused(rows, max_ctx, dev, nn)
         if not fused or B == 0 or max_ctx % 4:
             return self.run_composed(problem, **kw)
         out = torch.empty((rows, max_ctx), dtype=torch.float32, device=dev)

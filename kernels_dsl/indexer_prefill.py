@@ -38,7 +38,7 @@ FP8 1938 us (1064 TFLOP/s), MXFP4 1956 us incl. the row conversion (32 us); the 
 Precision vs fp64 on the same values: MXFP4 <= 4.5e-7 x the row max; FP8 keys through the E4M3
 variant up to 2.28e-3 x the row max on short rows (the FP8 WGMMA's ~14-bit accumulation), hence the
 BF16 variant for them (validated on the H200, job idx-14: <= 3.3e-7; 3160 us at 8192 x 16384 causal,
-job idx-15; kernels_dsl/indexer.py ``PREFILL_VALIDATED`` says which formats the registry offers).
+job idx-15; NVFP4 keys on the same variant after dequant_fp4, job lead-38).
 
 Constraints: 16-byte aligned q / k / key-scale base pointers (TMA); S, T any.
 """

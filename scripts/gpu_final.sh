@@ -2,7 +2,8 @@
 # Final validation batch of a session (one device call, ~8 min): the GPU tests of everything that
 # changed run CONCURRENTLY (correctness only, NVRTC compiles spread over the CPUs), then the timed
 # steps run one at a time on a quiet GPU. Each step is time-boxed; logs under $OUT.
-# Usage (repo root, no CuTe DSL needed): OUT=out bash scripts/gpu_final.sh
+# Usage (repo root; the defaults include CuTe DSL kernels: `source .dsl/activate.sh && export
+# PYTHONPATH=.:$PYTHONPATH` first): OUT=out bash scripts/gpu_final.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DSV4_RESULTS_DIR="$OUT"
@@ -20,9 +21,9 @@ seqstep() {  # seqstep NAME SECONDS CMD...
   echo "[$(( s - T0 ))s] $name: rc=$rc in $(( $(date +%s) - s ))s :: $(grep -aE ' passed| failed|error' "$OUT/$name.log" | tail -1)" | tee -a "$S"
 }
 # ---- phase A: correctness, concurrently
-par t_indexer 200 bash -c "$PT -s tests/test_indexer.py -k mma_variants; $PT -x tests/test_indexer.py -k 'not mma_variants'"
+par t_indexer 200 $PT -x tests/test_indexer.py tests/test_indexer_dsl.py tests/test_indexer_topk_paged.py
 par t_moe_decode 200 $PT -x tests/test_moe_decode.py
-par t_moe 200 $PT -x tests/test_moe.py
+par t_moe 200 $PT -x tests/test_moe.py tests/test_moe_glue.py tests/test_sparse_attention.py tests/test_attn_lists.py
 par t_graph 200 bash -c "$PT -x tests/test_graph_capture.py tests/test_quantize.py tests/test_kv_cache.py tests/test_topk.py tests/test_dequant_fp4.py"
 wait
 echo "phase A done at $(( $(date +%s) - T0 ))s" | tee -a "$S"

@@ -341,6 +341,7 @@ def test_gpu_public_op_fused_path_graph_and_recall(cuda_device):
     w = torch.randn(B, 64, device=dev, generator=g)
     lens = torch.randint(1, n + 1, (B,), dtype=torch.int32, device=dev, generator=g)
     assert DslTopkPagedFused(TOPK_PAGED_OP).use_fused(B, n, dev)
+    assert not DslTopkPagedFused(TOPK_PAGED_OP).use_fused(B, n, dev, next_n=3)   # next_n 3 / 4: composed
     with use(indexer_topk_paged="dsl", indexer_logits_paged="dsl"):
         idx, sc = indexer_topk_paged(qd, qs, w, cache, lens, bt, 512, map_to_slots=True, return_scores=True)
         L = indexer_logits_paged(qd, qs, w, cache, lens, bt)

@@ -373,6 +373,31 @@ def test_gpu_decode_splitk_deterministic(fmt, act, consumer, monkeypatch):
     assert e_split < 1e-2 and e_ref < 1e-5
 
 
+def test_cached_cuda_choice_falls_back_to_dsl_when_the_plan_declines(monkeypatch):
+    """The registry caches its choice per problem; if DSV4_MOE_DECODE changes afterwards, the cuda
+    provider's run() hands the problem to the dsl provider instead of failing (CPU: stubs)."""
+    from dsv4.registry import get_op
+    from kernels_cuda import moe as km
+    calls = []
+
+    class _Dsl:
+        def run(self, problem, **kw):
+            calls.append((problem["R"], sorted(kw)))
+            return "dsl-result"
+
+    for name, cls, kw in (("moe_gemm1_swiglu", km.CudaMoEGemm1, dict(a=torch.empty(8, 256), a_s=None,
+                           w13=torch.empty(4, 512, 128), w13_scale=None, g13=None, row_start=None, row_count=None,
+                           route_w=None)),
+                          ("moe_gemm2", km.CudaMoEGemm2, dict(h=torch.empty(8, 256), h_s=None, w2=torch.empty(4, 256, 128),
+                           w2_scale=None, g2=None, row_start=None, row_count=None))):
+        op = get_op(name)
+        monkeypatch.setattr(op, "provider", lambda kind: _Dsl())
+        monkeypatch.setenv("DSV4_MOE_DECODE", "0")
+        prob = {"fmt": "mxfp4", "act": "fp8", "E": 4, "N": 512, "K": 256, "R": 8, "rows": 8, "max_m": None}
+        assert cls(op).run(prob, **kw) == "dsl-result"
+    assert [c[0] for c in calls] == [8, 8]
+
+
 def test_masked_hot_expert_plans_from_assignments():
     """The cuda (decode) provider sizes its plan from the assignments (``min(R, T * topk)``), not
     from the masked layout's ``E * max_m`` slots: one hot expert (max_m 64) at decode keeps the

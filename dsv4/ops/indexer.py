@@ -546,6 +546,12 @@ def indexer_topk_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor
     Equivalent to ``topk(indexer_logits_paged(...), lengths, k, block_table=..., rows_per_seq=next_n)``
     (:func:`indexer_logits_paged`, :func:`dsv4.ops.topk.topk`), as one op.
 
+    Providers: ``dsl`` for MXFP4 / FP8 keys (fused: the logits kernel's selection-histogram epilogue
+    + ``topk_select_kernel`` where next_n <= 2 and the batch gives the select kernel >= 4 CTAs per
+    row, else the two kernels in sequence; bitwise the same result); NVFP4 keys have no kernel
+    provider for this op yet and run the torch reference (call :func:`indexer_logits_paged`, which
+    has a CUDA NVFP4 kernel, then :func:`dsv4.ops.topk.topk` for the kernel path).
+
     Args:
         q_data, q_sf, w, cache, context_lens, block_table, fmt, max_ctx, q_global, k_global: as
             :func:`indexer_logits_paged` (``context_lens`` ``[B]`` = committed entries shared by the

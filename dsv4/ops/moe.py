@@ -376,7 +376,9 @@ class MoEGrouped(NamedTuple):
     ``a``: fp8 e4m3 ``[R, D]`` or bf16; ``a_s``: fp32 ``[R, D/128]`` (fp8) or None; ``row_start``,
     ``row_count``: int32 ``[E]``; ``route_w``: fp32 ``[R]`` routing weight of each row; ``pos``:
     int64 ``[T*topk]`` row of each (token, slot) or -1 (dropped: masked layout count > max_m, or
-    an expert id outside ``[0, E)``). Rows that hold no assignment are unspecified.
+    an expert id outside ``[0, E)``). Rows that hold no assignment are unspecified. The grouped GEMMs
+    read ``pos.numel()`` (= T*topk) as the upper bound of the assignments that sizes the cuda decode
+    plan (never the result): a hand-built grouping should give ``pos`` its real ``[T*topk]`` length.
     """
 
     a: torch.Tensor

@@ -18,8 +18,10 @@ E2M1 -> E4M3 (:func:`e2m1x8_to_e4m3x8`)
     order of an FP8 WGMMA operand in shared memory). The magnitude is a byte LUT lookup with
     ``prmt.b32`` (8 LUT bytes in two registers, selected by the 3-bit index), the sign is
     moved from nibble bit 3 to byte bit 7 with a byte spread (``prmt``) + shift + masks:
-    7 integer instructions per 8 values (2 ``prmt`` for the magnitudes, 2 for the sign spread,
-    the rest shifts / ``lop3``).
+    12 integer instructions per 8 values in the compiled SASS (2 ``prmt`` for the magnitudes, 2
+    for the sign spread, the rest shifts / ``lop3``). :func:`e2m1x8_to_e4m3x8_sm` gives the same
+    bits in 9 (the signs through ``prmt``'s sign-replicate mode; used by the indexer decode kernel
+    and, with the same method inlined, the MoE grouped GEMM's W4A8 decode).
 
 Exponent folding (UE8M0 / power-of-two scales, :func:`e4m3_lut`)
     The LUT need not hold the plain E2M1 levels: ``e4m3_lut(d)`` returns the E4M3 bytes of
