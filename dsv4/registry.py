@@ -131,13 +131,17 @@ class Op:
             (default: ``name``).
         kinds: provider kinds in preference order.
         example_problem: ``f(target) -> problem`` used by ``dsv4 ops`` to show what would run.
-        problem_key: which problem entries decide support (default: all of them).
+        env: environment variables the providers' ``supports`` read (e.g. the MoE decode plan's
+            ``DSV4_MOE_DECODE*``): their values are part of the choice cache key, so changing one
+            between calls re-decides instead of reusing a choice made under the old value.
     """
 
     def __init__(self, name: str, spec: Any, *, module: str | None = None,
                  kinds: tuple[str, ...] = KINDS,
-                 example_problem: Callable[[Target], dict] | None = None):
+                 example_problem: Callable[[Target], dict] | None = None,
+                 env: tuple[str, ...] = ()):
         self.name = name
+        self.env = tuple(env)
         self.spec = spec
         self.module = module or name
         self.kinds = kinds
@@ -180,7 +184,7 @@ class Op:
     # -- selection ---------------------------------------------------------------------------
     def select(self, problem: Mapping[str, Any], target: Target) -> tuple[Provider, Choice]:
         forced = _forced_kind(self.name)
-        key = (forced, target, _freeze(problem))
+        key = (forced, target, _freeze(problem), tuple(os.environ.get(v) for v in self.env))
         choice = self._cache.get(key)
         if choice is None:
             choice = self._choose(problem, target, forced)

@@ -26,16 +26,6 @@ def _rows(problem) -> int:
     return int(problem.get("rows", problem.get("R", 0)) or 0)
 
 
-def _dsl(op):
-    """The op's dsl provider: where the registry's cached choice (keyed by the problem, not by the
-    ``DSV4_MOE_DECODE*`` variables) meets a problem the decode plan no longer takes, the CuTe DSL
-    grouped GEMM runs it, as docs/configuration.md promises for ``DSV4_MOE_DECODE=0``."""
-    p = op.provider("dsl")
-    if not hasattr(p, "run"):
-        raise ValueError(f"{op.name}: the problem is not decode-sized and the dsl provider is unavailable ({p.reason})")
-    return p
-
-
 class _CudaMoEBase(CudaProvider):
     arch_requirement = "decode kernel (moe_decode.cu) built for sm_90a only"
     stage = 0
@@ -61,9 +51,8 @@ class CudaMoEGemm1(_CudaMoEBase):
 
     def run(self, problem, *, a, a_s, w13, w13_scale, g13, row_start, row_count, route_w):
         dp = moe_decode.plan(_rows(problem), w13.shape[0], w13.shape[1], a.shape[1], problem["act"], problem["fmt"], 1)
-        if dp is None:  # not decode-sized (e.g. DSV4_MOE_DECODE changed after the choice was cached)
-            return _dsl(self.op).run(problem, a=a, a_s=a_s, w13=w13, w13_scale=w13_scale, g13=g13,
-                                     row_start=row_start, row_count=row_count, route_w=route_w)
+        if dp is None:  # supports() declined it; only a direct call gets here
+            raise ValueError("cuda moe_gemm1_swiglu: the problem is not decode-sized (kernels_cuda/moe_decode.plan)")
         return moe_decode.gemm1_swiglu(dp, problem, a=a, a_s=a_s, w13=w13, w13_scale=w13_scale, g13=g13,
                                        row_start=row_start, row_count=row_count, route_w=route_w)
 
@@ -74,9 +63,8 @@ class CudaMoEGemm2(_CudaMoEBase):
 
     def run(self, problem, *, h, h_s, w2, w2_scale, g2, row_start, row_count):
         dp = moe_decode.plan(_rows(problem), w2.shape[0], w2.shape[1], h.shape[1], problem["act"], problem["fmt"], 2)
-        if dp is None:  # not decode-sized (e.g. DSV4_MOE_DECODE changed after the choice was cached)
-            return _dsl(self.op).run(problem, h=h, h_s=h_s, w2=w2, w2_scale=w2_scale, g2=g2, row_start=row_start,
-                                     row_count=row_count)
+        if dp is None:  # supports() declined it; only a direct call gets here
+            raise ValueError("cuda moe_gemm2: the problem is not decode-sized (kernels_cuda/moe_decode.plan)")
         return moe_decode.gemm2(dp, problem, h=h, h_s=h_s, w2=w2, w2_scale=w2_scale, g2=g2,
                                 row_start=row_start, row_count=row_count)
 

@@ -57,6 +57,12 @@ def default_config(rows: int, ncols: int, sm_count: int) -> tuple[int, int]:
     return cluster, (1024 if cluster > 1 else 512)
 
 
+def _outputs(rows: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``topk`` op's outputs: int32 indices and fp32 scores ``[rows, k]``."""
+    return (torch.empty((rows, k), dtype=torch.int32, device=dev),
+            torch.empty((rows, k), dtype=torch.float32, device=dev))
+
+
 def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, block_table=None,
               block_size: int = 0, rows_per_seq: int = 1, *, cluster: int | None = None,
               threads: int | None = None, vec: bool | None = None,
@@ -68,8 +74,7 @@ def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, 
     """
     rows, ncols = logits.shape
     dev = logits.device
-    out_idx = torch.empty((rows, k), dtype=torch.int32, device=dev)
-    out_sc = torch.empty((rows, k), dtype=torch.float32, device=dev)
+    out_idx, out_sc = _outputs(rows, k, dev)
     if rows == 0:
         return out_idx, out_sc
     if cluster is None or threads is None:
@@ -136,8 +141,7 @@ def topk_select_cuda(logits: torch.Tensor, lengths: torch.Tensor, ws: torch.Tens
     consumed: its control words are no longer zero afterwards (one workspace per call)."""
     rows, ncols = logits.shape
     dev = logits.device
-    out_idx = torch.empty((rows, k), dtype=torch.int32, device=dev)
-    out_sc = torch.empty((rows, k), dtype=torch.float32, device=dev)
+    out_idx, out_sc = _outputs(rows, k, dev)
     if rows == 0:
         return out_idx, out_sc
     row_stride = logits.stride(0) if rows > 1 else ncols

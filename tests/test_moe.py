@@ -542,7 +542,7 @@ def test_dsl_w4a8_row_fold_is_exact_on_checkpoint_like_weights(fmt):
 
 
 def _mag_sign_model(w, lo, hi, xor=False):
-    """Bit model of the W4A8 word decode of kernels_dsl/sm90/grouped_gemm.py (``_mag_sign``): the
+    """Bit model of the W4A8 word decode of kernels_dsl/sm90/grouped_gemm.py (``fp4.e2m1x8_mag_sign``): the
     magnitudes by a prmt LUT lookup, the signs as byte-msb masks from the sign-replicate prmt over
     {w << 4, w} (kernels_dsl/sm90/fp4.py selectors); E4M3 = mag | sign (NVFP4 lo parts: mag ^ sign)."""
     from kernels_dsl.sm90 import fp4

@@ -373,29 +373,29 @@ def test_gpu_decode_splitk_deterministic(fmt, act, consumer, monkeypatch):
     assert e_split < 1e-2 and e_ref < 1e-5
 
 
-def test_cached_cuda_choice_falls_back_to_dsl_when_the_plan_declines(monkeypatch):
-    """The registry caches its choice per problem; if DSV4_MOE_DECODE changes afterwards, the cuda
-    provider's run() hands the problem to the dsl provider instead of failing (CPU: stubs)."""
-    from dsv4.registry import get_op
+def test_choice_cache_follows_the_decode_env(monkeypatch):
+    """The registry caches its choice per problem AND per value of the variables the cuda provider's
+    supports() reads (dsv4.ops.moe.GEMM_ENV): DSV4_MOE_DECODE=0 set after a decode dispatch re-decides
+    (dsl) instead of reusing the cached cuda choice, and unsetting it goes back (CPU: availability
+    stubbed, no launch)."""
+    from dsv4.ops import moe as mo
+    from dsv4.registry import Support
+    from dsv4.target import Target
     from kernels_cuda import moe as km
-    calls = []
-
-    class _Dsl:
-        def run(self, problem, **kw):
-            calls.append((problem["R"], sorted(kw)))
-            return "dsl-result"
-
-    for name, cls, kw in (("moe_gemm1_swiglu", km.CudaMoEGemm1, dict(a=torch.empty(8, 256), a_s=None,
-                           w13=torch.empty(4, 512, 128), w13_scale=None, g13=None, row_start=None, row_count=None,
-                           route_w=None)),
-                          ("moe_gemm2", km.CudaMoEGemm2, dict(h=torch.empty(8, 256), h_s=None, w2=torch.empty(4, 256, 128),
-                           w2_scale=None, g2=None, row_start=None, row_count=None))):
-        op = get_op(name)
-        monkeypatch.setattr(op, "provider", lambda kind: _Dsl())
-        monkeypatch.setenv("DSV4_MOE_DECODE", "0")
-        prob = {"fmt": "mxfp4", "act": "fp8", "E": 4, "N": 512, "K": 256, "R": 8, "rows": 8, "max_m": None}
-        assert cls(op).run(prob, **kw) == "dsl-result"
-    assert [c[0] for c in calls] == [8, 8]
+    from kernels_dsl import moe as dm
+    monkeypatch.setattr(km.CudaMoEGemm1, "available", lambda self: Support.yes("stub"))
+    monkeypatch.setattr(dm.DslMoEGemm1, "available", lambda self: Support.yes("stub"))
+    monkeypatch.delenv("DSV4_MOE_DECODE", raising=False)
+    t = Target("cuda", "sm_90a", "H200", 132, 0)
+    prob = {"fmt": "mxfp4", "act": "fp8", "E": 256, "N": 4096, "K": 4096, "R": 256, "rows": 256, "max_m": None,
+            "device": "cuda"}
+    op = mo.GEMM1_OP
+    assert "DSV4_MOE_DECODE" in op.env
+    assert op.select(prob, t)[1].kind == "cuda"
+    monkeypatch.setenv("DSV4_MOE_DECODE", "0")
+    assert op.select(prob, t)[1].kind == "dsl"
+    monkeypatch.delenv("DSV4_MOE_DECODE")
+    assert op.select(prob, t)[1].kind == "cuda"
 
 
 def test_masked_hot_expert_plans_from_assignments():

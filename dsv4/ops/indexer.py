@@ -403,6 +403,39 @@ def _(q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fmt, max_ct
     return w.new_empty((q_data.shape[0] * q_data.shape[1], max_ctx))
 
 
+def _check_paged(op: str, spec: OpSpec, q_data, q_sf, w, cache, context_lens, block_table, fmt, max_ctx,
+                 q_global, k_global) -> tuple[torch.Tensor, int]:
+    """Argument checks shared by the paged decode ops (:func:`indexer_logits_paged`,
+    :func:`indexer_topk_paged`): format, ``q_data`` rank, ``context_lens`` dtype / rank (normalized
+    to ``[B, next_n]``), the layout spec, ``max_ctx`` (int in ``[1, max_blocks * block_size]``,
+    default the whole table) and the NVFP4 global scales. Returns ``(lens, max_ctx)``.
+    Raises ``ValueError`` / ``LayoutError`` naming ``op`` and the argument."""
+    import numbers
+
+    from ..reference.indexer import normalize_context_lens
+    _check_fmt(fmt, op)
+    if q_data.dim() != 4:
+        raise LayoutError(f"{op}: argument 'q_data' must be [B, next_n, 64, VB], got {list(q_data.shape)}")
+    if context_lens.dtype != torch.int32 or context_lens.dim() not in (1, 2):
+        raise LayoutError(f"{op}: argument 'context_lens' must be int32 [B] or [B, next_n], got "
+                          f"{context_lens.dtype} {list(context_lens.shape)}")
+    lens = normalize_context_lens(context_lens, q_data.shape[1]).contiguous()
+    vb, sb = FORMATS[fmt]
+    env = spec.validate({"q_data": q_data, "q_sf": q_sf, "w": w, "cache": cache, "context_lens": lens,
+                         "block_table": block_table, "q_global": q_global, "k_global": k_global},
+                        symbols={"VB": vb, "SBQ": _sbq(fmt), "BPT": vb + sb})
+    full = env["max_blocks"] * env["block_size"]
+    if max_ctx is None:
+        max_ctx = full
+    if isinstance(max_ctx, bool) or not isinstance(max_ctx, numbers.Integral):   # never truncate a float
+        raise LayoutError(f"{op}: max_ctx must be an int (logit columns), got {type(max_ctx).__name__} {max_ctx!r}")
+    if not (0 < int(max_ctx) <= full):
+        raise LayoutError(f"{op}: max_ctx={max_ctx} must be in [1, max_blocks*block_size={full}]")
+    _check_global(op, fmt, "q_global", q_global)
+    _check_global(op, fmt, "k_global", k_global)
+    return lens, int(max_ctx)
+
+
 def indexer_logits_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, *, fmt: str = "mxfp4",
                          max_ctx: Optional[int] = None, q_global: Optional[torch.Tensor] = None,
@@ -432,29 +465,8 @@ def indexer_logits_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tens
     Raises:
         ValueError / LayoutError (argument named, expected vs got), e.g. next_n > 4.
     """
-    from ..reference.indexer import normalize_context_lens
-    _check_fmt(fmt, "indexer_logits_paged")
-    if q_data.dim() != 4:
-        raise LayoutError(f"indexer_logits_paged: argument 'q_data' must be [B, next_n, 64, VB], got {list(q_data.shape)}")
-    if context_lens.dtype != torch.int32 or context_lens.dim() not in (1, 2):
-        raise LayoutError("indexer_logits_paged: argument 'context_lens' must be int32 [B] or [B, next_n], got "
-                          f"{context_lens.dtype} {list(context_lens.shape)}")
-    lens = normalize_context_lens(context_lens, q_data.shape[1]).contiguous()
-    vb, sb = FORMATS[fmt]
-    env = PAGED_SPEC.validate({"q_data": q_data, "q_sf": q_sf, "w": w, "cache": cache, "context_lens": lens,
-                               "block_table": block_table, "q_global": q_global, "k_global": k_global},
-                              symbols={"VB": vb, "SBQ": _sbq(fmt), "BPT": vb + sb})
-    full = env["max_blocks"] * env["block_size"]
-    if max_ctx is None:
-        max_ctx = full
-    import numbers
-    if isinstance(max_ctx, bool) or not isinstance(max_ctx, numbers.Integral):   # never truncate a float
-        raise LayoutError(f"indexer_logits_paged: max_ctx must be an int (output columns), got "
-                          f"{type(max_ctx).__name__} {max_ctx!r}")
-    if not (0 < int(max_ctx) <= full):
-        raise LayoutError(f"indexer_logits_paged: max_ctx={max_ctx} must be in [1, max_blocks*block_size={full}]")
-    _check_global("indexer_logits_paged", fmt, "q_global", q_global)
-    _check_global("indexer_logits_paged", fmt, "k_global", k_global)
+    lens, max_ctx = _check_paged("indexer_logits_paged", PAGED_SPEC, q_data, q_sf, w, cache, context_lens,
+                                 block_table, fmt, max_ctx, q_global, k_global)
     return torch.ops.dsv4.indexer_logits_paged(q_data, q_sf, w, cache, lens, block_table, q_global, k_global,
                                                fmt, int(max_ctx))
 
@@ -576,34 +588,14 @@ def indexer_topk_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor
     """
     import numbers
 
-    from ..reference.indexer import normalize_context_lens
     from .topk import K_MAX
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= int(k) <= K_MAX:
         raise ValueError(f"indexer_topk_paged: argument 'k' must be an int in 1..{K_MAX}, got {type(k).__name__} {k!r}")
     for name, v in (("map_to_slots", map_to_slots), ("return_scores", return_scores)):
         if not isinstance(v, bool):
             raise ValueError(f"indexer_topk_paged: argument '{name}' must be a bool, got {type(v).__name__}")
-    _check_fmt(fmt, "indexer_topk_paged")
-    if q_data.dim() != 4:
-        raise LayoutError(f"indexer_topk_paged: argument 'q_data' must be [B, next_n, 64, VB], got {list(q_data.shape)}")
-    if context_lens.dtype != torch.int32 or context_lens.dim() not in (1, 2):
-        raise LayoutError("indexer_topk_paged: argument 'context_lens' must be int32 [B] or [B, next_n], got "
-                          f"{context_lens.dtype} {list(context_lens.shape)}")
-    lens = normalize_context_lens(context_lens, q_data.shape[1]).contiguous()
-    vb, sb = FORMATS[fmt]
-    env = TOPK_PAGED_SPEC.validate({"q_data": q_data, "q_sf": q_sf, "w": w, "cache": cache, "context_lens": lens,
-                                    "block_table": block_table, "q_global": q_global, "k_global": k_global},
-                                   symbols={"VB": vb, "SBQ": _sbq(fmt), "BPT": vb + sb})
-    full = env["max_blocks"] * env["block_size"]
-    if max_ctx is None:
-        max_ctx = full
-    if isinstance(max_ctx, bool) or not isinstance(max_ctx, numbers.Integral):
-        raise LayoutError(f"indexer_topk_paged: max_ctx must be an int (logit columns), got "
-                          f"{type(max_ctx).__name__} {max_ctx!r}")
-    if not (0 < int(max_ctx) <= full):
-        raise LayoutError(f"indexer_topk_paged: max_ctx={max_ctx} must be in [1, max_blocks*block_size={full}]")
-    _check_global("indexer_topk_paged", fmt, "q_global", q_global)
-    _check_global("indexer_topk_paged", fmt, "k_global", k_global)
+    lens, max_ctx = _check_paged("indexer_topk_paged", TOPK_PAGED_SPEC, q_data, q_sf, w, cache, context_lens,
+                                 block_table, fmt, max_ctx, q_global, k_global)
     idx, sc = torch.ops.dsv4.indexer_topk_paged(q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fmt,
                                                 int(max_ctx), int(k), map_to_slots)
     return (idx, sc) if return_scores else idx

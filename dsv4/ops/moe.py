@@ -685,8 +685,13 @@ def _ex_gemm(target):
 #: moe-13, 2026-12-01; faster than the deleted moe.cu prefill kernels for every class: 1.07-2.37x, moe-13).
 #: ``registry.last_choice(op).explain()`` shows the decision and the skipped provider's reason.
 GEMM_KINDS = ("cuda", "dsl", "torch")
-GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))
-GEMM2_OP = register(Op("moe_gemm2", GEMM2_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))
+#: environment variables the cuda provider's supports() reads (through kernels_cuda/moe_decode.plan):
+#: part of the registry's choice cache key, so changing one between calls re-decides
+GEMM_ENV = ("DSV4_MOE_DECODE", "DSV4_MOE_DECODE_MAXM", "DSV4_MOE_DECODE_NWG", "DSV4_MOE_DECODE_STAGES")
+GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm,
+                       env=GEMM_ENV))
+GEMM2_OP = register(Op("moe_gemm2", GEMM2_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm,
+                       env=GEMM_ENV))
 
 
 def _act_of(a: torch.Tensor) -> str:

@@ -61,7 +61,7 @@ __all__ = [
     "e2m1x8_to_e4m3x8", "e4m3_lut", "e4m3_lut_shift", "e2m1x8_to_bf16x8", "mul_bf16x2", "cvt_e4m3x2_f32",
     "model_prmt", "model_e2m1x8_to_e4m3x8", "model_e4m3_lut", "model_e4m3_lut_shift", "model_e2m1x8_to_bf16x8",
     "Fp4DecodeProbe", "probe_compile", "probe_reference",
-    "e2m1x8_to_e4m3x8_sm", "model_e2m1x8_to_e4m3x8_sm",
+    "e2m1x8_to_e4m3x8_sm", "e2m1x8_mag_sign", "model_e2m1x8_to_e4m3x8_sm",
 ]
 
 #: E2M1 magnitudes by 3-bit index (dsv4_spec.md 2.1, convert.py FP4_TABLE)
@@ -484,18 +484,28 @@ def model_e2m1x8_to_e4m3x8_sm(w: int, lut_lo: int = E4M3_LUT_LO, lut_hi: int = E
 if _HAVE_DSL:
 
     @dsl_user_op
+    def e2m1x8_mag_sign(w, lut_lo, lut_hi, *, loc=None, ip=None):
+        """The two halves of :func:`e2m1x8_to_e4m3x8_sm`: ``(m0, m1, k0, k1)`` = the LUT magnitude
+        bytes of codes 0..3 / 4..7 and their sign bits as byte-msb masks; E4M3 bytes = ``m | k``
+        (``m ^ k`` for LUT bytes that carry their own sign, e.g. the NVFP4 lo part). Split so that
+        several LUTs of one word (NVFP4 W4A8 hi + lo) share the sign masks."""
+        w = Uint32(w)
+        lo, hi = Uint32(lut_lo), Uint32(lut_hi)
+        idx = w & Uint32(0x77777777)
+        m0 = prmt(lo, hi, idx, loc=loc, ip=ip)
+        m1 = prmt(lo, hi, idx >> 16, loc=loc, ip=ip)
+        a = w << 4
+        k0 = prmt(a, w, Uint32(_SIGN_SEL0), loc=loc, ip=ip) & Uint32(0x80808080)
+        k1 = prmt(a, w, Uint32(_SIGN_SEL1), loc=loc, ip=ip) & Uint32(0x80808080)
+        return m0, m1, k0, k1
+
+    @dsl_user_op
     def e2m1x8_to_e4m3x8_sm(w, lut_lo=None, lut_hi=None, *, loc=None, ip=None):
         """:func:`e2m1x8_to_e4m3x8` (same result, same byte order, sign by OR) in 9 instructions
         per word: 1 ``lop3`` + 1 shift + 2 ``prmt`` for the magnitudes, 1 shift + 2 sign-replicate
         ``prmt`` + 2 ``lop3`` for the signs (module section above). LUT bytes must have bit 7
         clear (every :func:`e4m3_lut` / :func:`e4m3_lut_shift` LUT)."""
-        w = Uint32(w)
-        lo = Uint32(E4M3_LUT_LO) if lut_lo is None else Uint32(lut_lo)
-        hi = Uint32(E4M3_LUT_HI) if lut_hi is None else Uint32(lut_hi)
-        idx = w & Uint32(0x77777777)
-        m0 = prmt(lo, hi, idx, loc=loc, ip=ip)
-        m1 = prmt(lo, hi, idx >> 16, loc=loc, ip=ip)
-        a = w << 4
-        k0 = prmt(a, w, Uint32(_SIGN_SEL0), loc=loc, ip=ip)
-        k1 = prmt(a, w, Uint32(_SIGN_SEL1), loc=loc, ip=ip)
-        return m0 | (k0 & Uint32(0x80808080)), m1 | (k1 & Uint32(0x80808080))
+        lo = E4M3_LUT_LO if lut_lo is None else lut_lo
+        hi = E4M3_LUT_HI if lut_hi is None else lut_hi
+        m0, m1, k0, k1 = e2m1x8_mag_sign(w, lo, hi, loc=loc, ip=ip)
+        return m0 | k0, m1 | k1

@@ -122,20 +122,6 @@ ITEMS = -(-TILE_N * 4 // PROLOGUE_THREADS)
 
 if _HAVE_DSL:
 
-    @cute.jit
-    def _mag_sign(w: Uint32, lo: Uint32, hi: Uint32):
-        """One packed E2M1 word -> (magnitude bytes of codes 0..3, of 4..7, sign bits of 0..3, of
-        4..7): the magnitudes by a ``prmt`` LUT lookup, the signs as byte-msb masks
-        (``fp4.e2m1x8_to_e4m3x8_sm``'s sign-replicate ``prmt`` over {w << 4, w}); E4M3 byte =
-        ``mag | sign`` (``mag ^ sign`` for LUT bytes that carry their own sign)."""
-        idx = w & Uint32(0x77777777)
-        m0 = fp4.prmt(lo, hi, idx)
-        m1 = fp4.prmt(lo, hi, idx >> 16)
-        a = w << 4
-        k0 = fp4.prmt(a, w, Uint32(fp4._SIGN_SEL0)) & Uint32(0x80808080)
-        k1 = fp4.prmt(a, w, Uint32(fp4._SIGN_SEL1)) & Uint32(0x80808080)
-        return m0, m1, k0, k1
-
     class Fp4GroupedGemmKernel:
         """See the module docstring. ``__call__(mA, mAs, mW, mWs, mG, mRS, mRC, mRW, mOut, mOutS,
         n_w, num_ctas, stream)``:
@@ -528,7 +514,7 @@ if _HAVE_DSL:
                             lo, hi = fp4.e4m3_lut(d)
                         o = []
                         for q in cutlass.range_constexpr(4):
-                            m0, m1, k0, k1 = _mag_sign(w[q], lo, hi)
+                            m0, m1, k0, k1 = fp4.e2m1x8_mag_sign(w[q], lo, hi)
                             o.append(m0 | k0)
                             o.append(m1 | k1)
                         st_shared_v4(base + doff_a, o[0], o[1], o[2], o[3])
@@ -542,7 +528,7 @@ if _HAVE_DSL:
                         ol = []
                         for q in cutlass.range_constexpr(4):
                             hl, hh, ll, lh = (h0l, h0h, l0l, l0h) if q < 2 else (h1l, h1h, l1l, l1h)
-                            m0, m1, k0, k1 = _mag_sign(w[q], hl, hh)
+                            m0, m1, k0, k1 = fp4.e2m1x8_mag_sign(w[q], hl, hh)
                             oh.append(m0 | k0)
                             oh.append(m1 | k1)
                             idx = w[q] & Uint32(0x77777777)
