@@ -13,7 +13,6 @@ import contextlib
 
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -21,46 +20,22 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dsv4.measure import BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, json_safe, time_us  # noqa: F401  (re-exported)
+from dsv4.measure import copy_bandwidth as _copy_bandwidth
+
 __all__ = ["time_cuda", "time_graph", "time_flush_l2", "copy_bandwidth", "env_info", "print_table", "save_json",
            "json_safe", "FP8_PEAK_TFLOPS", "BF16_PEAK_TFLOPS", "rotating"]
 
-#: Dense tensor-core peaks measured on the project's H200 (shared/reference/anchors.md section 4 and
-#: cutedsl_guide.md: CUTLASS CuTe DSL Hopper GEMM at 8192^3). Benchmarks that can afford it
-#: re-measure with ``torch._scaled_mm`` / ``torch.matmul`` in the same run.
-FP8_PEAK_TFLOPS = 1716.0
-BF16_PEAK_TFLOPS = 790.0
 
 
 def time_cuda(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 50, graph: bool = False) -> float:
-    """Median time of ``fn()`` in microseconds, timed with CUDA events per call.
+    """Median time of ``fn()`` in microseconds, timed with CUDA events per call
+    (:func:`dsv4.measure.time_us`, the timer ``dsv4 run`` uses).
 
     With ``graph=True`` the call is captured in a CUDA graph and replays are timed (hides
     launch overhead; use for multi-launch sequences when measuring the kernels themselves).
     """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g, stream=s):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        run = g.replay
-        run()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        run()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+    return time_us(fn, "cuda", iters, warmup=warmup, graph=graph, fallback=False)[0]
 
 
 def time_graph(fns: Sequence[Callable[[], Any]], iters: int = 40, reps: int = 15) -> float:
@@ -107,21 +82,10 @@ def rotating(make: Callable[[int], Any], total_bytes_each: int, min_total: int =
     return [make(i) for i in range(n)]
 
 
-_BW: dict[int, float] = {}
-
-
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Measured device-to-device copy bandwidth in GB/s, counting bytes read + written."""
-    dev = torch.cuda.current_device()
-    if dev not in _BW:
-        a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
-        a.uniform_()
-        b = torch.empty_like(a)
-        us = time_cuda(lambda: b.copy_(a), warmup=3, iters=20)
-        _BW[dev] = 2 * nbytes / (us * 1e-6) / 1e9
-        del a, b
-        torch.cuda.empty_cache()
-    return _BW[dev]
+    """Measured device-to-device copy bandwidth in GB/s, counting bytes read + written
+    (:func:`dsv4.measure.copy_bandwidth`, memoized)."""
+    return _copy_bandwidth("cuda", nbytes)
 
 
 def env_info() -> dict:
@@ -146,18 +110,6 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -
     print("  ".join(c.ljust(w[i]) for i, c in enumerate(columns)))
     for x in cells:
         print("  ".join(v.ljust(w[i]) for i, v in enumerate(x)))
-
-
-def json_safe(obj: Any) -> Any:
-    """``obj`` with every non-finite float (NaN, +-inf) replaced by ``None`` (recursively through
-    dicts, lists and tuples), so that ``json.dump`` writes valid JSON (``null``) instead of ``NaN``."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def save_json(path: str | None, payload: dict) -> None:

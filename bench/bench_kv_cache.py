@@ -1,4 +1,4 @@
-"""Benchmark the kv_cache ops (cuda provider) vs the torch reference and the copy-bandwidth roofline.
+"""Benchmark the kv_cache ops (dsl / cuda providers) vs the torch reference and the copy-bandwidth roofline.
 
 Cases (DSV4-Flash sizes): append (SWA / compressed cache insert), compressors (attention d=512 and
 indexer d=128, CSA ratio 4 and HCA ratio 128) and the SWA + top-k gather, each at decode
@@ -10,7 +10,12 @@ compulsory bytes (read + written, listed per case) / measured device-to-device c
 (bytes read + written of a 2 GiB copy). The torch reference (eager; it syncs, so no graph) is
 timed with CUDA events, median.
 
-    PYTHONPATH=. python3 bench/bench_kv_cache.py --json out.json
+    PYTHONPATH=. python3 bench/bench_kv_cache.py --json out.json [--providers dsl,cuda]
+        [--only append,gather,compress] [--no-variants]
+
+append / gather are timed for every provider in ``--providers`` (compressors: cuda only); the
+variant section times the kv_cache.cu tuning macros and the DSL kernels' configs
+(``kernels_dsl.kv_cache.VARIANT``), each checked bit for bit against the first variant.
 """
 from __future__ import annotations
 
@@ -36,6 +41,25 @@ def n_sets(bytes_each: int, min_total: int = 256 << 20) -> int:
     return max(1, min(8, -(-min_total // max(1, bytes_each))))
 
 
+def _gather_case(R, T, K, ne, bs, dev):
+    """A kv_gather problem: R requests with ``ne`` compressed entries each (pages of ``bs``, random
+    block_table) and a 128-slot SWA ring, T rows of K random indices (``n_sets`` sets, rotated past
+    L2); returns the tensors, the number of index sets and the bytes moved per call."""
+    pages = ne // bs
+    cache = torch.empty(R * pages, bs * 584, dtype=torch.uint8, device=dev)
+    swa = torch.empty(R * 2, 64 * 584, dtype=torch.uint8, device=dev)
+    kv_cache_append(cache, kv_rows(R * pages * bs, 1, dev), torch.arange(R * pages * bs, device=dev))
+    kv_cache_append(swa, kv_rows(R * 128, 2, dev), torch.arange(R * 128, device=dev))
+    bt = torch.randperm(R * pages, device=dev).view(R, pages).to(torch.int32)
+    swa_bt = torch.arange(R * 2, dtype=torch.int32, device=dev).view(R, 2)
+    k = n_sets(T * (128 + K) * 1024)
+    idx = [torch.randint(-1, ne, (T, K), device=dev, dtype=torch.int32) for _ in range(k)]
+    swa_idx = torch.arange(128, dtype=torch.int32, device=dev).repeat(T, 1)
+    lens = torch.full((R,), ne, dtype=torch.int32, device=dev)
+    swa_lens = torch.full((R,), 128, dtype=torch.int32, device=dev)
+    return cache, swa, bt, swa_bt, idx, swa_idx, lens, swa_lens, k, T * (128 + K) * (584 + 1024 + 4)
+
+
 def kv_rows(n, gen_seed, dev):
     g = torch.Generator(device=dev).manual_seed(gen_seed)
     x = torch.randn(n, 512, device=dev, generator=g) * 2
@@ -43,19 +67,26 @@ def kv_rows(n, gen_seed, dev):
     return x.bfloat16()
 
 
+PROVIDERS = ("dsl", "cuda")
+
+
 def bench_append(dev, bw, rows):
-    for label, N in (("decode B=128", 128), ("prefill 32k", 32768)):
+    # random slots (the target case), and the same slots sorted (what the DRAM scatter costs)
+    for label, N in (("decode B=128", 128), ("prefill 32k", 32768), ("prefill 32k sorted slots", 32768)):
         nb, bs = max(64, 4 * N // 64), 64
         cache = torch.zeros(nb, bs * 584, dtype=torch.uint8, device=dev)
         k = n_sets(N * 1024)
         xs = [kv_rows(N, i, dev) for i in range(k)]
         sl = [torch.randperm(nb * bs, device=dev)[:N] for _ in range(k)]
+        if "sorted" in label:
+            sl = [s.sort().values for s in sl]
         nbytes = N * (1024 + 584 + 8)
-        with registry.use(kv_cache_append="cuda"):
-            t = time_graph([lambda i=i: kv_cache_append(cache, xs[i], sl[i]) for i in range(k)])
         tr = time_cuda(lambda: ref.kv_cache_append_ref(cache, xs[0], sl[0]), warmup=2, iters=10)
-        rows.append(dict(op="append fp8_ds_mla", case=label, us=t, ref_us=tr, MB=nbytes / 1e6,
-                         roof_us=nbytes / bw * 1e6))
+        for prov in PROVIDERS:
+            with registry.use(kv_cache_append=prov):
+                t = time_graph([lambda i=i: kv_cache_append(cache, xs[i], sl[i]) for i in range(k)])
+            rows.append(dict(op="append fp8_ds_mla", case=label, provider=prov, us=t, ref_us=tr, MB=nbytes / 1e6,
+                             roof_us=nbytes / bw * 1e6))
 
 
 def _compress_inputs(T, d, ratio, dev, seed):
@@ -91,7 +122,7 @@ def bench_compress(dev, bw, rows):
                                                             kv_state=ks, score_state=ss) for i in range(k)])
         tr = time_cuda(lambda: ref.kv_compress_prefill_ref(ins[0][0], ins[0][1], ape, w, table, cu, bt, cache, ks, ss),
                        warmup=2, iters=5)
-        rows.append(dict(op=name, case="prefill 32k", us=t, ref_us=tr, MB=nbytes / 1e6, roof_us=nbytes / bw * 1e6))
+        rows.append(dict(op=name, case="prefill 32k", provider="cuda", us=t, ref_us=tr, MB=nbytes / 1e6, roof_us=nbytes / bw * 1e6))
         # ---- decode: B = 128, every sequence at a block boundary (worst case) / mid-block
         B = 128
         nr = coff * ratio
@@ -112,7 +143,8 @@ def bench_compress(dev, bw, rows):
                                                                kstate[i][0], kstate[i][1]) for i in range(len(kstate))])
             tr = time_cuda(lambda: ref.kv_compress_decode_ref(dins[0][0], dins[0][1], ape, w, table, pos, btd, cached,
                                                               kstate[0][0], kstate[0][1]), warmup=2, iters=10)
-            rows.append(dict(op=name, case=label, us=t, ref_us=tr, MB=nbytes / 1e6, roof_us=nbytes / bw * 1e6))
+            rows.append(dict(op=name, case=label, provider="cuda", us=t, ref_us=tr, MB=nbytes / 1e6,
+                             roof_us=nbytes / bw * 1e6))
         del ins, kstate, dins
         torch.cuda.empty_cache()
 
@@ -137,12 +169,16 @@ def bench_gather(dev, bw, rows):
             idx = [torch.arange(ne, dtype=torch.int32, device=dev).repeat(T, 1) for _ in range(k)]
         swa_idx = torch.arange(128, dtype=torch.int32, device=dev).repeat(T, 1)
         nbytes = rows_out * (584 + 1024 + 4)
-        with registry.use(kv_gather="cuda"):
-            t = time_graph([lambda i=i: kv_gather(cache, bt, idx[i], swa_cache=swa, swa_block_table=swa_bt,
-                                                  swa_indices=swa_idx) for i in range(k)])
-        tr = time_cuda(lambda: ref.kv_gather_ref(cache, bt, idx[0], None, swa, swa_bt, swa_idx), warmup=2, iters=10)
-        rows.append(dict(op="gather fp8_ds_mla", case=label, us=t, ref_us=tr, MB=nbytes / 1e6,
-                         roof_us=nbytes / bw * 1e6))
+        lens = torch.full((R,), ne, dtype=torch.int32, device=dev)
+        swa_lens = torch.full((R,), 128, dtype=torch.int32, device=dev)
+        tr = time_cuda(lambda: ref.kv_gather_ref(cache, bt, idx[0], lens, None, swa, swa_bt, swa_idx, swa_lens),
+                       warmup=2, iters=10)
+        for prov in PROVIDERS:
+            with registry.use(kv_gather=prov):
+                t = time_graph([lambda i=i: kv_gather(cache, bt, idx[i], lens=lens, swa_cache=swa, swa_block_table=swa_bt,
+                                                      swa_indices=swa_idx, swa_lens=swa_lens) for i in range(k)])
+            rows.append(dict(op="gather fp8_ds_mla", case=label, provider=prov, us=t, ref_us=tr, MB=nbytes / 1e6,
+                             roof_us=nbytes / bw * 1e6))
         del cache, swa, idx
         torch.cuda.empty_cache()
 
@@ -182,24 +218,15 @@ def bench_variants(dev, bw, rows):
                          same=bool(torch.equal(o, base))))
     # gather, decode B=128 and prefill 8 x 8320
     for label, R, T, K, ne in (("decode", 128, 128, 512, 2048), ("prefill", 8, 8, 8192, 8192)):
-        pages = ne // bs
-        cache = torch.empty(R * pages, bs * 584, dtype=torch.uint8, device=dev)
-        swa = torch.empty(R * 2, 64 * 584, dtype=torch.uint8, device=dev)
-        kv_cache_append(cache, kv_rows(R * pages * bs, 1, dev), torch.arange(R * pages * bs, device=dev))
-        kv_cache_append(swa, kv_rows(R * 128, 2, dev), torch.arange(R * 128, device=dev))
-        bt = torch.randperm(R * pages, device=dev).view(R, pages).to(torch.int32)
-        swa_bt = torch.arange(R * 2, dtype=torch.int32, device=dev).view(R, 2)
-        k = n_sets(T * (128 + K) * 1024)
-        idx = [torch.randint(-1, ne, (T, K), device=dev, dtype=torch.int32) for _ in range(k)]
-        swa_idx = torch.arange(128, dtype=torch.int32, device=dev).repeat(T, 1)
-        nbytes = T * (128 + K) * (584 + 1024 + 4)
+        cache, swa, bt, swa_bt, idx, swa_idx, lens, swa_lens, k, nbytes = _gather_case(R, T, K, ne, bs, dev)
         base = None
         for rpw in (1, 2, 4):
             outs = {}
 
             def mk():
-                return [lambda i=i: outs.__setitem__(i, kv_gather(cache, bt, idx[i], swa_cache=swa, swa_block_table=swa_bt,
-                                                                  swa_indices=swa_idx)) for i in range(k)]
+                return [lambda i=i: outs.__setitem__(i, kv_gather(cache, bt, idx[i], lens=lens, swa_cache=swa,
+                                                                  swa_block_table=swa_bt, swa_indices=swa_idx,
+                                                                  swa_lens=swa_lens)) for i in range(k)]
             with registry.use(kv_gather="cuda"):
                 t, o = run_variant({"KVC_GATHER_RPW": rpw}, mk, lambda: outs[0])
             base = o if base is None else base
@@ -236,20 +263,83 @@ def bench_variants(dev, bw, rows):
         torch.cuda.empty_cache()
 
 
+def bench_dsl_variants(dev, bw, rows, only=("append", "gather")):
+    """Configs of the DSL kernels (kernels_dsl.kv_cache.VARIANT): time + bit-equality vs the first."""
+    import kernels_dsl.kv_cache as kd
+
+    def run_variant(key, cfg, fns, out_fn):
+        kd.VARIANT.clear()
+        kd.VARIANT[key] = cfg
+        try:
+            t = time_graph(fns)
+            fns[0]()
+            torch.cuda.synchronize()
+            return t, out_fn().clone()
+        finally:
+            kd.VARIANT.clear()
+
+    if "append" in only:
+        N, nb, bs = 32768, 2048, 64
+        cache = torch.zeros(nb, bs * 584, dtype=torch.uint8, device=dev)
+        xs = [kv_rows(N, i, dev) for i in range(8)]
+        sl = [torch.randperm(nb * bs, device=dev)[:N] for _ in range(8)]
+        sl[0][::50] = -1
+        base = None
+        for cfg in (kd.DEFAULT_APPEND, kd.KvAppendConfig(1, 128), kd.KvAppendConfig(1, 256, 256),
+                    kd.KvAppendConfig(2)):
+            cache.zero_()
+            with registry.use(kv_cache_append="dsl"):
+                t, o = run_variant("append", cfg, [lambda i=i: kv_cache_append(cache, xs[i], sl[i]) for i in range(8)][::-1],
+                                   lambda: cache)
+            base = o if base is None else base
+            rows.append(dict(op="dsl append", case=f"prefill 32k {cfg}", us=t, roof_us=N * (1024 + 584 + 8) / bw * 1e6,
+                             same=bool(torch.equal(o, base))))
+        del xs, cache
+    if "gather" in only:
+        bs = 64
+        for label, R, T, K, ne in (("decode", 128, 128, 512, 2048), ("prefill", 8, 8, 8192, 8192)):
+            cache, swa, bt, swa_bt, idx, swa_idx, lens, swa_lens, k, nbytes = _gather_case(R, T, K, ne, bs, dev)
+            base = None
+            for cfg in (kd.DEFAULT_GATHER, kd.KvGatherConfig(8, 2, 128, 256), kd.KvGatherConfig(16, 4, 128, 256),
+                        kd.KvGatherConfig(4, 2)):
+                outs = {}
+                fns = [lambda i=i: outs.__setitem__(i, kv_gather(cache, bt, idx[i], lens=lens, swa_cache=swa,
+                                                                 swa_block_table=swa_bt, swa_indices=swa_idx,
+                                                                 swa_lens=swa_lens)) for i in range(k)]
+                with registry.use(kv_gather="dsl"):
+                    t, o = run_variant("gather", cfg, fns, lambda: outs[0])
+                base = o if base is None else base
+                rows.append(dict(op="dsl gather", case=f"{label} {cfg}", us=t, roof_us=nbytes / bw * 1e6,
+                                 same=bool(torch.equal(o.view(torch.int16), base.view(torch.int16)))))
+            del cache, swa, idx
+            torch.cuda.empty_cache()
+
+
 def main():
+    global PROVIDERS
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--no-variants", action="store_true", help="skip the tuning-variant section")
+    ap.add_argument("--no-variants", action="store_true", help="skip the tuning-variant sections")
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help="append / gather providers to time")
+    ap.add_argument("--only", default="append,gather,compress", help="sections: append,gather,compress")
     args = ap.parse_args()
+    PROVIDERS = tuple(args.providers.split(","))
+    only = set(args.only.split(","))
     dev = torch.device("cuda")
     bw = copy_bandwidth() * 1e9                          # bytes / s (read + write)
     rows: list[dict] = []
-    bench_append(dev, bw, rows)
-    bench_gather(dev, bw, rows)
-    bench_compress(dev, bw, rows)
+    if "append" in only:
+        bench_append(dev, bw, rows)
+    if "gather" in only:
+        bench_gather(dev, bw, rows)
+    if "compress" in only:
+        bench_compress(dev, bw, rows)
     vrows: list[dict] = []
     if not args.no_variants:
-        bench_variants(dev, bw, vrows)
+        if "dsl" in PROVIDERS:
+            bench_dsl_variants(dev, bw, vrows, only)
+        if "cuda" in PROVIDERS and only >= {"append", "gather", "compress"}:
+            bench_variants(dev, bw, vrows)
         for r in vrows:
             r["pct_copy_bw"] = 100.0 * r["roof_us"] / r["us"]
     for r in rows:
@@ -257,8 +347,8 @@ def main():
         r["GB/s"] = r["MB"] * 1e6 / (r["us"] * 1e-6) / 1e9
         r["speedup_vs_torch"] = r["ref_us"] / r["us"]
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
-    print_table(rows, ["op", "case", "us", "roof_us", "pct_copy_bw", "GB/s", "ref_us", "speedup_vs_torch", "MB"],
-                title="kv_cache ops (cuda) vs roofline and torch reference")
+    print_table(rows, ["op", "case", "provider", "us", "roof_us", "pct_copy_bw", "GB/s", "ref_us", "speedup_vs_torch",
+                       "MB"], title="kv_cache ops vs roofline and torch reference")
     if vrows:
         print_table(vrows, ["op", "case", "us", "roof_us", "pct_copy_bw", "same", "eq_frac"],
                     title="tuning variants (same = output bit-identical to the first variant)")

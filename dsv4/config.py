@@ -68,19 +68,20 @@ VARS: dict[str, Var] = {
     "DSV4_QUANT_FUSED_MAX_CHUNKS": Var("int", 4096, range(0, 1 << 31),
         "`quantize_nvfp4` with a computed global scale: tensors of at most this many 16-byte chunks take "
         "the single-CTA fused path (amax + quantize in one launch), larger ones two launches "
-        "(`kernels_cuda/quantize.py` `TUNING`, read at import). Tuning; never changes results."),
+        "(`kernels_dsl/quantize.py` and `kernels_cuda/quantize.py` `TUNING`, read at import). Tuning; never changes results."),
     "DSV4_QUANT_L2_KEEP_MB": Var("int", 32, range(0, 1 << 16),
         "Two-launch NVFP4 path: MiB at the tail of the input that the amax pass loads with evict_last "
-        "so the (reversed) quantize pass finds them in L2 (`kernels_cuda/quantize.py` `TUNING`, read at "
-        "import). Tuning; never changes results."),
+        "so the (reversed) quantize pass finds them in L2 (`kernels_dsl/quantize.py` and `kernels_cuda/quantize.py` "
+        "`TUNING`, read at import). Tuning; never changes results."),
     "DSV4_QUANT_REVERSE": Var("int", 1, _FLAG,
         "1: the quantize pass walks tiles tail-first (consumes the L2-resident tail first); 0: forward "
-        "(`kernels_cuda/quantize.py` `TUNING`, read at import). Tuning; never changes results."),
-    # ---------------------------------------------------------------- top-k
-    "DSV4_TOPK_APPEND": Var("int", 0, _FLAG,
-        "Compaction scheme of `topk.cu` (`TOPK_APPEND`): 0 = warp-aggregated atomics on one shared "
-        "counter (default), 1 = block-wide scan compaction, one atomic per CTA per tile "
-        "(`kernels_cuda/topk.py`, read at import). Same results either way."),
+        "(`kernels_dsl/quantize.py` and `kernels_cuda/quantize.py` `TUNING`, read at import). Tuning; never "
+        "changes results."),
+    "DSV4_QUANT_GRID_SYNC": Var("int", 1, _FLAG,
+        "1: `quantize_nvfp4` with a computed global scale on a tensor of at most one 4-warp CTA per SM runs "
+        "as ONE grid-synchronized launch (tiles kept in registers across a grid-wide amax; needs its CTAs "
+        "co-resident); 0: two launches (`kernels_dsl/quantize.py` `TUNING`, read at import). Tuning; never "
+        "changes results."),
     # ---------------------------------------------------------------- MoE decode (kernels_cuda/moe_decode.py)
     "DSV4_MOE_DECODE": Var("flag", 1, _FLAG,
         "0: never use the CUDA decode kernel (`moe_decode.cu`); the grouped GEMMs then run on the CuTe DSL "
@@ -213,7 +214,7 @@ Generated from `dsv4/config.py` (`VARS`) by `python -m dsv4.config --write docs/
 Every variable is optional. Unset or empty means the default. Variables read through the
 `dsv4.config` helpers (all but `DSV4_OPS`, `DSV4_COMPILE_ARCH` and `DSV4_CACHE_DIR`) are validated: a bad value raises `ValueError` naming the variable, the allowed
 values and the value found (flags accept exactly `0` or `1`). Most are read at each dispatch (set them
-before the call); the `DSV4_QUANT_*`, `DSV4_TOPK_APPEND` and `DSV4_COMPILE_ARCH` values are read once at
+before the call); the `DSV4_QUANT_*` and `DSV4_COMPILE_ARCH` values are read once at
 import. Variables marked *tuning* / *bench* exist for benchmarks and never change results.
 
 | variable | type | default | allowed | what it does |

@@ -22,7 +22,13 @@ order, that is available and ``supports`` the problem on the target. Overrides:
 
 A forced provider that cannot run raises :class:`ProviderUnavailableError`; there is never a
 silent fallback. Every dispatch records which provider ran and why (``last_choice``), which
-``dsv4 ops`` prints.
+``dsv4 ops`` prints; a name in either override that is not a registered op raises.
+
+The eager hot path (bench/bench_eager.py) is: the op's argument checks and its
+:meth:`~dsv4.layout.OpSpec.validate` (a generated checker), the ``torch.library`` boundary
+(:func:`custom_op`: the C++ dispatcher straight to the Python kernel), then :meth:`Op.select` (one
+dict lookup: the choice is cached per forced kind, target, problem and the ``env`` values) and
+the provider's ``run``. A problem is a frozen dataclass (:class:`Problem`) or a plain dict.
 """
 from __future__ import annotations
 
@@ -30,15 +36,15 @@ import contextlib
 import importlib
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping
 
 from .config import env_flag
 from .target import Target
 
 __all__ = [
-    "Support", "Provider", "TorchProvider", "Op", "Choice", "ProviderUnavailableError", "register", "get_op",
-    "all_ops", "use", "KINDS", "last_choice",
+    "Support", "Problem", "Provider", "TorchProvider", "Op", "Choice", "ProviderUnavailableError", "register", "get_op",
+    "all_ops", "use", "KINDS", "last_choice", "custom_op", "CustomOp",
 ]
 
 KINDS = ("dsl", "cuda", "torch")
@@ -55,19 +61,58 @@ class Support:
 
     ok: bool
     reason: str = ""
+    #: True for "this op has no implementation of that kind" (no module / no entry in its
+    #: ``PROVIDERS``): not a failure, the table says "not implemented" instead of a reason
+    absent: bool = False
 
     @classmethod
     def yes(cls, reason: str = "supported") -> "Support":
         return cls(True, reason)
 
     @classmethod
-    def no(cls, reason: str) -> "Support":
+    def no(cls, reason: str, *, absent: bool = False) -> "Support":
         if not reason:
             raise ValueError("Support.no() needs a reason")
-        return cls(False, reason)
+        return cls(False, reason, absent)
 
     def __bool__(self) -> bool:
         return self.ok
+
+
+class Problem:
+    """Base of an op's problem: a frozen dataclass of the facts that select a provider and its
+    config (formats, block sizes, a few shape classes; never tensors). Frozen means hashable: the
+    problem itself is the registry's selection-cache key. Providers read fields as attributes or,
+    like a mapping, ``problem["fmt"]`` / ``problem.get("fmt")`` (the example problems of
+    ``dsv4 ops`` and the graph-capture cases are plain dicts; both work everywhere)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    def keys(self) -> list[str]:
+        import dataclasses
+        return [f.name for f in dataclasses.fields(self)]
+
+    @classmethod
+    def _key_getter(cls) -> Callable[[Any], tuple]:
+        """``problem -> tuple of its field values`` (C-level ``attrgetter``): the selection-cache key,
+        hashed and compared without the dataclass's Python ``__hash__`` / ``__eq__``."""
+        g = cls.__dict__.get("_getter")
+        if g is None:
+            import dataclasses
+            import operator
+            names = [f.name for f in dataclasses.fields(cls)]
+            g = operator.attrgetter(*names) if len(names) > 1 else (lambda o, n=names[0]: (getattr(o, n),))
+            cls._getter = g
+        return g
 
 
 class Provider:
@@ -108,17 +153,45 @@ class TorchProvider(Provider):
 
 @dataclass
 class Choice:
-    """What dispatch picked for one problem: the kind, the reason, and why others were skipped."""
+    """What dispatch picked for one problem: the kind, the reason, and why others were skipped.
+
+    ``skipped``: ``(kind, reason)`` of every provider tried before ``kind``, in preference order
+    (``absent`` names those that do not exist for this op). ``config``: the tunables the provider
+    used on the last call (a frozen dataclass chosen by the provider's heuristic, or None), filled
+    in by :func:`last_choice`.
+    """
 
     kind: str
     reason: str
     skipped: list[tuple[str, str]] = field(default_factory=list)
     forced: bool = False
+    absent: tuple[str, ...] = ()
+    config: Any = None
+
+    def summary(self) -> str:
+        """One plain line: which provider ran and why, then why the preferred ones did not
+        (the ``dsv4 run`` reason column), e.g. ``"cuda: sm_90a, k <= 2048; no dsl kernel for this
+        op"`` or ``"torch: reference, any device; cuda not used: no CUDA device"``."""
+        s = f"{self.kind}{' (forced by DSV4_OPS / registry.use)' if self.forced else ''}: " \
+            f"{_strip_kind(self.kind, self.reason)}"
+        for k, r in self.skipped:
+            s += f"; no {k} kernel for this op" if k in self.absent else f"; {k} not used: {_strip_kind(k, r)}"
+        return s
 
     def explain(self) -> str:
-        parts = [r if r.startswith(f"{k}: ") else f"{k}: {r}" for k, r in self.skipped]
-        parts.append(f"using {self.kind}" + (" (forced)" if self.forced else "") + f": {self.reason}")
+        """Every provider considered and why, the choice, and the tunables of the last call."""
+        parts = [f"{k}: {'not implemented (' + r + ')' if k in self.absent else _strip_kind(k, r)}"
+                 for k, r in self.skipped]
+        parts.append(f"using {self.kind}" + (" (forced)" if self.forced else "") + f": "
+                     f"{_strip_kind(self.kind, self.reason)}")
+        if self.config is not None:
+            parts.append(f"config: {self.config}")
         return "; ".join(parts)
+
+
+def _strip_kind(kind: str, reason: str) -> str:
+    """``"cuda: no CUDA device"`` -> ``"no CUDA device"`` (providers prefix their reasons)."""
+    return reason[len(kind) + 2:] if reason.startswith(f"{kind}: ") else reason
 
 
 class Op:
@@ -160,7 +233,8 @@ class Op:
                 mod = importlib.import_module(mod_name)
             except ModuleNotFoundError as e:
                 if e.name == mod_name:
-                    res: Provider | Support = Support.no(f"no {kind} provider ({mod_name} does not exist)")
+                    res: Provider | Support = Support.no(f"no {kind} provider ({mod_name} does not exist)",
+                                                         absent=True)
                 else:
                     res = Support.no(f"{mod_name} cannot be imported: {e}")
             except Exception as e:  # noqa: BLE001 - report any import failure as a reason
@@ -168,7 +242,7 @@ class Op:
             else:
                 cls = getattr(mod, "PROVIDERS", {}).get(self.name)
                 res = cls(self) if cls is not None else Support.no(
-                    f"{mod_name} has no provider for {self.name}")
+                    f"{mod_name} has no provider for {self.name}", absent=True)
             self._providers[kind] = res
         return self._providers[kind]
 
@@ -183,18 +257,34 @@ class Op:
 
     # -- selection ---------------------------------------------------------------------------
     def select(self, problem: Mapping[str, Any], target: Target) -> tuple[Provider, Choice]:
+        """The provider for ``problem`` on ``target`` and the :class:`Choice` that names it.
+
+        Decided once per (forced kind, target, problem, values of ``env``) and cached: a repeat
+        call costs one dict lookup (the eager hot path, bench/bench_eager.py)."""
         forced = _forced_kind(self.name)
-        key = (forced, target, _freeze(problem), tuple(os.environ.get(v) for v in self.env))
-        choice = self._cache.get(key)
-        if choice is None:
+        if type(problem) is dict:
+            pk = tuple(problem.items())
+        elif isinstance(problem, Problem):
+            pk = (type(problem), type(problem)._key_getter()(problem))
+        else:
+            pk = problem
+        key = (forced, target, pk)
+        if self.env:
+            key += tuple(_getenv(v) for v in self.env)
+        try:
+            hit = self._cache.get(key)
+        except TypeError:                    # a list / dict value, or a Mapping that is not a dict
+            key = (forced, target, _freeze(problem)) + key[3:]
+            hit = self._cache.get(key)
+        if hit is None:
             choice = self._choose(problem, target, forced)
+            p = self.provider(choice.kind)
+            assert isinstance(p, Provider)
+            hit = (p, choice)
             with self._lock:
-                self._cache[key] = choice
-        self.last = choice
-        _LAST[self.name] = choice
-        p = self.provider(choice.kind)
-        assert isinstance(p, Provider)
-        return p, choice
+                self._cache[key] = hit
+        self.last = _LAST[self.name] = hit[1]
+        return hit
 
     def _choose(self, problem, target, forced) -> Choice:
         if forced is not None:
@@ -207,12 +297,14 @@ class Op:
                     f"{self.name}: provider {forced!r} was requested (DSV4_OPS or registry.use) but "
                     f"cannot run this problem on {target}: {s.reason}")
             return Choice(forced, s.reason, [], forced=True)
-        skipped = []
+        skipped, absent = [], []
         for kind in self.kinds:
             s = self.check(kind, problem, target)
             if s:
-                return Choice(kind, s.reason, skipped)
+                return Choice(kind, s.reason, skipped, absent=tuple(absent))
             skipped.append((kind, s.reason))
+            if s.absent:
+                absent.append(kind)
         raise ProviderUnavailableError(
             f"{self.name}: no provider can run this problem on {target}: "
             + "; ".join(f"{k}: {r}" for k, r in skipped))
@@ -220,31 +312,113 @@ class Op:
     def dispatch(self, problem: Mapping[str, Any], target: Target, **args: Any) -> Any:
         """Select a provider for ``problem`` on ``target`` and run it."""
         p, choice = self.select(problem, target)
-        if env_flag("DSV4_PRINT_LAYOUTS") and self.spec is not None:
+        if _getenv("DSV4_PRINT_LAYOUTS") and env_flag("DSV4_PRINT_LAYOUTS") and self.spec is not None:
             from .layout import print_boundary
             print_boundary(self.spec, choice, args)
+        _CONFIG[self.name] = None
         return p.run(problem, **args)
 
+    def record_config(self, config: Any) -> None:
+        """Called by a provider's ``run`` with the tunables it chose for this call (a frozen
+        dataclass from its heuristic): :func:`last_choice` / ``dsv4 ops --verbose`` show them."""
+        _CONFIG[self.name] = config
+
     def table(self, target: Target) -> list[dict]:
-        """Rows for ``dsv4 ops``: each provider, whether it can run the example problem, and why."""
+        """Rows for ``dsv4 ops``: each provider, whether it can run the example problem, and why
+        (``implemented`` False: this op has no provider of that kind). The chosen row's
+        ``explain`` is :meth:`Choice.explain` of the example problem."""
         problem = self.example_problem(target) if self.example_problem else {}
         rows = []
-        chosen = None
+        ch = None
         try:
-            _, ch = self.select(problem, target) if problem else (None, None)
-            chosen = ch.kind if ch else None
-        except ProviderUnavailableError as e:
-            chosen = f"none ({e})"
+            ch = self.select(problem, target)[1] if problem else None
+        except ProviderUnavailableError:
+            pass
         for kind in self.kinds:
             s = self.check(kind, problem, target) if problem else Support.no("no example problem")
-            rows.append({"op": self.name, "provider": kind, "ok": s.ok, "reason": s.reason,
-                         "chosen": chosen == kind})
+            chosen = ch is not None and ch.kind == kind
+            rows.append({"op": self.name, "provider": kind, "ok": s.ok, "implemented": not s.absent,
+                         "reason": s.reason, "chosen": chosen, "explain": ch.explain() if chosen else ""})
         return rows
 
 
+def _env_reader():
+    """``get(name) -> str | None`` for ``os.environ`` without its per-call key encoding: on POSIX
+    ``os.environ`` keeps the process environment in a bytes dict (``_data``) that every
+    assignment through ``os.environ`` updates; elsewhere (or if that ever changes) plain
+    ``os.environ.get``. About 0.1 us instead of 1 us: dispatch reads two variables per call."""
+    data = getattr(os.environ, "_data", None)
+    if os.name != "posix" or not isinstance(data, dict):
+        return os.environ.get
+    enc = os.environ.encodekey if hasattr(os.environ, "encodekey") else (lambda k: k.encode())
+    keys: dict[str, bytes] = {}
+
+    def get(name: str) -> str | None:
+        k = keys.get(name)
+        if k is None:
+            k = keys[name] = enc(name)
+        v = data.get(k)
+        return None if v is None else os.fsdecode(v)
+    return get
+
+
+_getenv = _env_reader()
+
 _REGISTRY: dict[str, Op] = {}
 _LAST: dict[str, Choice] = {}
+_CONFIG: dict[str, Any] = {}
 _tls = threading.local()
+
+
+# ---------------------------------------------------------------------------------------------
+# the torch.library boundary
+_LIBS: dict[str, Any] = {}
+
+
+class CustomOp:
+    """Handle of an op defined by :func:`custom_op`: ``register_fake(fn)`` (decorator) and call."""
+
+    def __init__(self, qualname: str, fn: Callable):
+        self.qualname, self._fn = qualname, fn
+        ns, name = qualname.split("::")
+        self._packet = getattr(getattr(__import__("torch").ops, ns), name)
+
+    def register_fake(self, fn: Callable) -> Callable:
+        import torch
+        torch.library.register_fake(self.qualname, fn, lib=_LIBS[self.qualname.split("::")[0]])
+        return fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._packet(*args, **kwargs)
+
+
+def custom_op(qualname: str, fn: Callable | None = None, *, mutates_args: tuple[str, ...] | str) -> Any:
+    """Define ``torch.ops.<ns>.<name>`` from a type-annotated Python function, like
+    ``torch.library.custom_op`` (same schema inference, same ``mutates_args``, a
+    ``.register_fake`` for torch.compile / FakeTensor tracing), at a fraction of its eager cost.
+
+    ``torch.library.custom_op`` runs three Python layers per call (autograd wrapper, redispatch,
+    dynamo-disable wrapper: about 10 us on a 2-core CI machine); this registers ``fn`` directly
+    as the op's CPU and CUDA kernel with ``torch.library.Library.impl``, so an eager call is the
+    C++ dispatcher plus ``fn`` (about 2 us). The ops are inference ops: no autograd formula (a
+    backward through one warns, as for any op without an Autograd kernel), and mutated
+    arguments are declared in the schema (``Tensor(a!)``) for functionalization, but their
+    version counters are not bumped.
+    """
+    import torch
+
+    def define(f: Callable) -> CustomOp:
+        ns, name = qualname.split("::")
+        lib = _LIBS.get(ns)
+        if lib is None:
+            lib = _LIBS[ns] = torch.library.Library(ns, "FRAGMENT")
+        schema = torch.library.infer_schema(f, mutates_args=mutates_args)
+        lib.define(name + schema)
+        for key in ("CPU", "CUDA"):
+            lib.impl(name, f, key)
+        return CustomOp(qualname, f)
+
+    return define(fn) if fn is not None else define
 
 
 def register(op: Op) -> Op:
@@ -267,8 +441,21 @@ def all_ops() -> list[Op]:
 
 
 def last_choice(op: str) -> Choice | None:
-    """Which provider the last dispatch of ``op`` used, and why."""
-    return _LAST.get(op)
+    """Which provider the last dispatch of ``op`` used, why, and (``config``) the tunables it
+    recorded for that call; ``None`` before the first dispatch. ``.explain()`` says it all."""
+    ch = _LAST.get(op)
+    cfg = _CONFIG.get(op)
+    return ch if ch is None or cfg is None else replace(ch, config=cfg)
+
+
+def _check_names(names: Any, what: str) -> None:
+    """Raise ``ValueError`` listing the known ops when a name is neither ``*`` nor a registered op."""
+    unknown = [k for k in names if k != "*" and k not in _REGISTRY]
+    if unknown:
+        import dsv4.ops  # noqa: F401  (registers every op)
+        unknown = [k for k in unknown if k not in _REGISTRY]
+    if unknown:
+        raise ValueError(f"{what}: unknown op {unknown[0]!r}; known: {sorted(_REGISTRY)} (or '*' for every op)")
 
 
 def _parse_env(s: str, current: str | None = None) -> dict[str, str]:
@@ -281,12 +468,14 @@ def _parse_env(s: str, current: str | None = None) -> dict[str, str]:
         k, v = (x.strip() for x in item.split("=", 1))
         if v not in KINDS:
             raise ValueError(f"DSV4_OPS: provider for {k!r} must be one of {KINDS}, got {v!r}")
-        if k not in ("*", current) and k not in _REGISTRY:
-            import dsv4.ops  # noqa: F401  (registers every op)
-            if k not in _REGISTRY:
-                raise ValueError(f"DSV4_OPS: unknown op {k!r}; known: {sorted(_REGISTRY)}")
+        if k != current:
+            _check_names((k,), "DSV4_OPS")
         out[k] = v
     return out
+
+
+#: (DSV4_OPS value, op) -> parsed mapping (parsing validates names, so it is done once per value)
+_PARSED_ENV: dict[tuple[str, str], dict[str, str]] = {}
 
 
 def _forced_kind(op: str) -> str | None:
@@ -297,9 +486,13 @@ def _forced_kind(op: str) -> str | None:
                 return m[op]
             if "*" in m:
                 return m["*"]
-    env = os.environ.get("DSV4_OPS", "")
+    env = _getenv("DSV4_OPS")
     if env:
-        m = _parse_env(env, op)
+        m = _PARSED_ENV.get((env, op))
+        if m is None:
+            m = _parse_env(env, op)
+            if len(_PARSED_ENV) < 256:
+                _PARSED_ENV[(env, op)] = m
         return m.get(op, m.get("*"))
     return None
 
@@ -311,6 +504,7 @@ def use(mapping: Mapping[str, str] | None = None, **ops: str) -> Iterator[None]:
     for k, v in m.items():
         if v not in KINDS:
             raise ValueError(f"registry.use: provider for {k!r} must be one of {KINDS}, got {v!r}")
+    _check_names(m, "registry.use")
     stack = getattr(_tls, "stack", None)
     if stack is None:
         stack = _tls.stack = []

@@ -42,6 +42,13 @@ class Target:
     sm_count: int
     index: int = -1
 
+    def __hash__(self) -> int:            # part of every dispatch's selection key: computed once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.device_type, self.arch, self.name, self.sm_count, self.index))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def is_cuda(self) -> bool:
         return self.device_type == "cuda"
@@ -53,18 +60,29 @@ class Target:
     @staticmethod
     def of(device: torch.device | str | int | None = None) -> "Target":
         """The target for a torch device (default: the current CUDA device, else CPU)."""
+        t = _BY_DEVICE.get(device)           # hot path: the same torch.device object every call
+        if t is not None:
+            return t
         if device is None:
             device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         device = torch.device(device)
         if device.type == "cuda":
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            return _cuda_target(idx)
-        return Target("cpu", None, "cpu", 0, -1)
+            if device.index is not None:
+                return _BY_DEVICE.setdefault(device, _cuda_target(device.index))
+            return _cuda_target(torch.cuda.current_device())
+        return _CPU
 
     def __str__(self) -> str:
         if self.is_cuda:
             return f"{self.name} ({self.arch}, {self.sm_count} SMs)"
         return "cpu"
+
+
+#: explicit devices (``cuda:0``, ``cpu``) -> Target; ``cuda`` without an index means the
+#: current device, which may change, so it is never memoized here.
+_BY_DEVICE: dict = {}
+_CPU = Target("cpu", None, "cpu", 0, -1)
+_BY_DEVICE[torch.device("cpu")] = _CPU
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,9 @@
-// Shared device helpers for dsv4 NVRTC kernels. No CUDA toolkit header is included: the
+// common.cuh: the one header of device helpers for the dsv4 NVRTC kernels (a kernel defines no
+// second copy of these; tests/test_cuda_headers.py). No CUDA toolkit header is included: the
 // sources must compile with a bare NVRTC (CI wheel) and with the GPU image's NVRTC 13.0.
+// Sections: memory (16 / 8 B global ld/st), bit tricks + bf16, E2M1 LUT decode, scale decodes,
+// warp reductions, shared memory, cp.async, mbarrier + bulk copy, WGMMA (wrappers generated into
+// common_wgmma.cuh by kernels_cuda/gen_headers.py), fwht128, E2M1 / UE8M0 encode.
 //
 // Conventions (see docs/layouts/*.md):
 //   * packed FP4: 2 x E2M1 per byte, element 2i in the LOW nibble; nibble bit 3 = sign,
@@ -66,7 +70,7 @@ DSV4_DEVICE float f16_to_f32(u16 h) {
 }
 
 // ---------------------------------------------------------------------------------------
-// E2M1 decode by byte LUT (prmt). Never arithmetic on the nibble (seed 000).
+// E2M1 decode by byte LUT (prmt). Never arithmetic on the nibble.
 //
 // bf16 bit patterns of the magnitudes [0, .5, 1, 1.5, 2, 3, 4, 6]:
 //   0x0000 0x3F00 0x3F80 0x3FC0 0x4000 0x4040 0x4080 0x40C0
@@ -140,4 +144,189 @@ DSV4_DEVICE float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
   return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// generic helpers first written for kv_cache.cu (moved here: not kv-specific)
+// 8-byte non-coherent load (read-only data)
+DSV4_DEVICE u32x2 ld_global_nc_v2(const void* p) {
+  u32x2 r;
+  asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+// 16-byte non-coherent load as 4 floats
+DSV4_DEVICE float4 ld_global_nc_f4(const float* p) {
+  const u32x4 v = ld_global_nc_v4(p);
+  return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+}
+// coherent 16-byte load / store of 4 floats (data this kernel wrote earlier)
+DSV4_DEVICE float4 ld_global_v4_f32(const float* p) {
+  float4 r;
+  asm volatile("ld.global.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p) : "memory");
+  return r;
+}
+DSV4_DEVICE void st_global_v4_f32(float* p, float4 v) {
+  asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+DSV4_DEVICE float neg_inf_f32() { return __int_as_float(0xff800000); }
+// round to bf16 (RN) and back to fp32
+DSV4_DEVICE float round_bf16(float x) { return bf16_lo_to_f32(pack_bf16x2(x, 0.f)); }
+// |x| for finite x, 0 for NaN / Inf (block amax over finite elements, dsv4.formats.finite_absmax)
+DSV4_DEVICE float finite_abs(float x) {
+  const float a = fabsf(x);
+  return a <= 3.402823466e38f ? a : 0.f;
+}
+// 2^(byte - 127) for an exponent byte in 1..254 (UE8M0 without the 0 / 0xFF special cases)
+DSV4_DEVICE float exp2_byte(u32 byte) { return __uint_as_float(byte << 23); }
+// 4 floats -> 4 E4M3 bytes (RN, satfinite), element 0 in byte 0
+DSV4_DEVICE u32 f32x4_to_e4m3x4(float a, float b, float c, float d) {
+  return f32x2_to_e4m3x2(a, b) | (f32x2_to_e4m3x2(c, d) << 16);
+}
+
+// ---------------------------------------------------------------------------------------
+// shared memory: 32-bit shared-window addresses, loads and stores by address
+DSV4_DEVICE u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+DSV4_DEVICE u32x4 ld_shared_v4(u32 a) {
+  u32x4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
+  return r;
+}
+DSV4_DEVICE u32 ld_shared_u32(u32 a) {
+  u32 r;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a));
+  return r;
+}
+DSV4_DEVICE void st_shared_v4(u32 a, u32 x, u32 y, u32 z, u32 w) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+DSV4_DEVICE void st_shared_u32(u32 a, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------
+// cp.async (sm_80+). PF: L2 prefetch-size hint in bytes (0 = none, 64, 128, 256): the L2 fetches
+// the aligned sector group around the copied bytes (a hint, no semantic change).
+// 16 bytes, cache-global, zero-filling the bytes past src_bytes (0..16)
+DSV4_DEVICE void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+template <int PF> DSV4_DEVICE void cp_async_cg16(u32 dst, const void* src) {
+  if constexpr (PF == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
+  } else if constexpr (PF == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
+  } else if constexpr (PF == 64) {
+    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
+  }
+}
+// 8 or 4 bytes (cache-all; cp.async.cg copies 16 bytes only)
+template <int PF, int BYTES> DSV4_DEVICE void cp_async_ca(u32 dst, const void* src) {
+  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+  if constexpr (PF == 256) {
+    asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], %2;\n" :: "r"(dst), "l"(src), "n"(BYTES) : "memory");
+  } else if constexpr (PF == 128) {
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], %2;\n" :: "r"(dst), "l"(src), "n"(BYTES) : "memory");
+  } else if constexpr (PF == 64) {
+    asm volatile("cp.async.ca.shared.global.L2::64B [%0], [%1], %2;\n" :: "r"(dst), "l"(src), "n"(BYTES) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" :: "r"(dst), "l"(src), "n"(BYTES) : "memory");
+  }
+}
+DSV4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> DSV4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+// arrive on mbarrier bar once all prior cp.async of this thread have completed (one arrival)
+DSV4_DEVICE void cp_async_mbar_arrive_noinc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------
+// mbarrier (sm_90), 1-D bulk copies, proxy fence, named barriers
+DSV4_DEVICE void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+DSV4_DEVICE void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+DSV4_DEVICE void mbar_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
+}
+DSV4_DEVICE void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+DSV4_DEVICE void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nDSV4_MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra DSV4_MBAR_WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+// global -> shared bulk copy of `bytes` (multiple of 16, 16-byte aligned), completing on bar's tx count
+DSV4_DEVICE void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// generic-proxy smem writes -> visible to the async proxy (WGMMA / TMA reads)
+DSV4_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+DSV4_DEVICE void named_sync(u32 id, u32 nthreads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------
+// WGMMA (sm_90a): fence / commit / wait, register fence on accumulators, generated wrappers
+DSV4_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+DSV4_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> DSV4_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// keeps the compiler from moving an accumulator's reads / writes across the asynchronous WGMMA
+// issue / wait (CUTLASS warpgroup_fence_operand)
+DSV4_DEVICE void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+#include "common_wgmma.cuh"
+
+// ---------------------------------------------------------------------------------------
+// Sylvester-Hadamard over 128 dims held by one warp (lane l: dims 4l..4l+3) = DSV4
+// rotate_activation (dsv4/reference/hadamard.py rotate_activation_ref): y = bf16(H_128 x * 128^-0.5),
+// H[i][j] = (-1)^popcount(i & j). The 7 butterfly stages run in fp64 (exact: sums of 128 bf16
+// values; 2 in-thread, 5 by __shfl_xor_sync), one fp64 multiply by fp64(128^-0.5), then ONE
+// correct rounding fp64 -> bf16 (bf16r_f64); v[] returns the bf16 values as fp32.
+DSV4_DEVICE float bf16r_f64(double x) {
+  // f = fp32_rn(x); a double rounding happens only when f sits exactly on a bf16 midpoint
+  // (low 16 bits 0x8000) while x != f: move f one ulp towards x first, then round to bf16.
+  const float f = __double2float_rn(x);
+  u32 b = __float_as_uint(f);
+  if ((b & 0xFFFFu) == 0x8000u && (double)f != x) b = fabs(x) > fabs((double)f) ? b + 1u : b - 1u;
+  return bf16_lo_to_f32(pack_bf16x2(__uint_as_float(b), 0.f));
+}
+DSV4_DEVICE void fwht128(float v[4], int lane) {
+  double d[4] = {(double)v[0], (double)v[1], (double)v[2], (double)v[3]};
+  const double a0 = d[0] + d[1], a1 = d[0] - d[1], a2 = d[2] + d[3], a3 = d[2] - d[3];
+  d[0] = a0 + a2; d[2] = a0 - a2; d[1] = a1 + a3; d[3] = a1 - a3;
+#pragma unroll
+  for (int b = 0; b < 5; ++b) {
+    const bool upper = (lane >> b) & 1;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const double p = __shfl_xor_sync(0xffffffffu, d[i], 1 << b);
+      d[i] = upper ? (p - d[i]) : (d[i] + p);
+    }
+  }
+  const double s = 0.08838834764831845;  // fp64(128^-0.5)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = bf16r_f64(d[i] * s);
+}
+
+// ---------------------------------------------------------------------------------------
+// E2M1 encode by thresholds: round-to-nearest-even code (bit 3 = sign, kept for values that round
+// to 0, as dsv4.formats.e2m1_encode) of x already divided by its scale; |x| > 5 -> 6 (code 7).
+// The thresholds are the midpoints of [0, .5, 1, 1.5, 2, 3, 4, 6], ties to the even code.
+DSV4_DEVICE u32 e2m1_code_rne(float x) {
+  const float a = fabsf(x);
+  const u32 i = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return i | ((__float_as_uint(x) >> 28) & 8u);
+}
+// UE8M0 byte of 2^ceil(log2(x)) for a normal positive fp32 x (DSV4 kernel.py fast_round_scale)
+DSV4_DEVICE u32 ue8m0_byte_ceil(float x) {
+  const u32 b = __float_as_uint(x);
+  return ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u);
 }

@@ -20,17 +20,16 @@
 //
 // indexer_logits_kernel is the paged DECODE kernel for NVFP4 keys only (IDX_FMT 1): MXFP4 and FP8
 // decode and every prefill run on the CuTe DSL kernels (kernels_dsl/indexer_paged.py decode,
-// indexer_prefill.py prefill), measured faster on the H200 (docs/benchmarks.md, jobs idx-01..03,
-// idx-14/15, lead-38: NVFP4 prefill 1.48x this kernel); its prefill path, its MXFP4 / FP8 BF16
-// decodes, the FP8-WGMMA variants and the DEFER / SPLIT_NN / ACCBUF switches were retired on
-// 2026-12-01. NVFP4 decode stays here: its E2M1 x E4M3-scale products have no exact FP8 operand and
-// the DSL decode kernel has only its FP8 register-sourced WGMMA path. The quantizer serves every format.
+// indexer_prefill.py prefill; measured faster, docs/benchmarks.md). NVFP4 decode stays here: its
+// E2M1 x E4M3-scale products have no exact FP8 operand and the DSL decode kernel has only its FP8
+// register-sourced WGMMA path. The quantizer serves every format. Generic device helpers (smem
+// addresses, cp.async, WGMMA wrappers, fwht128, E2M1 / UE8M0 encode) come from common.cuh.
 //
 // Macros: IDX_FMT (0 MXFP4, 1 NVFP4, 2 FP8; the logits kernel exists for 1 only), IDX_NQ (1..4 query rows per CTA),
 //         IDX_STAGES (cp.async ring),
 //         IDX_HADAMARD (quantizer: rotate first), IDX_MAX_CHUNK_TILES (decode: block-table
 //         entries prefetched to smem per CTA).
-#include "indexer.cuh"
+#include "common.cuh"
 
 #ifndef IDX_FMT
 #define IDX_FMT 0
@@ -67,25 +66,8 @@
 #define NEG_INF __int_as_float(0xff800000)
 
 // ---------------------------------------------------------------------------------------
-// small PTX helpers
-DSV4_DEVICE u32 smem_u32(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-DSV4_DEVICE void cp_async16(u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-DSV4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> DSV4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-DSV4_DEVICE u32x4 ld_shared_v4(u32 a) {
-  u32x4 r;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
-  return r;
-}
-DSV4_DEVICE void st_shared_v4(u32 a, u32 x, u32 y, u32 z, u32 w) {
-  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
-}
+// small PTX helpers (the generic ones: smem_u32, cp.async, ld/st.shared, WGMMA, fwht128, E2M1 /
+// UE8M0 encode live in common.cuh)
 // a * b (bf16x2), exact whenever the product is representable (used with power-of-two and
 // E4M3 scales: E2M1 x UE8M0 and E2M1 x E4M3 products always are).
 DSV4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
@@ -183,11 +165,10 @@ DSV4_DEVICE void decode_tile(const u8* raw_p, u32 raw, u32 ktile, int tid) {
 }
 
 
-// Register fence on the accumulators (CUTLASS warpgroup_fence_operand): keeps the compiler
-// from moving accumulator reads/writes across the asynchronous WGMMA issue / wait.
+// Register fence on every accumulator (common.cuh fence_reg).
 DSV4_DEVICE void fence_acc(float* acc) {
 #pragma unroll
-  for (int i = 0; i < IDX_N / 2; ++i) asm volatile("" : "+f"(acc[i]) :: "memory");
+  for (int i = 0; i < IDX_N / 2; ++i) fence_reg(acc[i]);
 }
 
 DSV4_DEVICE void mma_tile(float* acc, u32 ktile, u32 qtile) {
@@ -406,48 +387,8 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
 // quantization (cache writer / query quantizer): one warp per 128-dim row; lane l holds
 // dims 4l..4l+3.
 //
-// Hadamard (DSV4 rotate_activation, dsv4/reference/hadamard.py rotate_activation_ref):
-// y = bf16(H_128 x * 128^-0.5), H Sylvester (H[i][j] = (-1)^popcount(i & j)). The 7 butterfly
-// stages run in fp64 (exact: sums of 128 bf16 values), one fp64 multiply by fp64(128^-0.5), then
-// ONE correct rounding fp64 -> bf16 (bf16r_f64); v[] returns the bf16 values as fp32.
-DSV4_DEVICE float bf16r_f64(double x) {
-  // f = fp32_rn(x); a double rounding happens only when f sits exactly on a bf16 midpoint
-  // (low 16 bits 0x8000) while x != f: move f one ulp towards x first, then round to bf16.
-  const float f = __double2float_rn(x);
-  u32 b = __float_as_uint(f);
-  if ((b & 0xFFFFu) == 0x8000u && (double)f != x) b = fabs(x) > fabs((double)f) ? b + 1u : b - 1u;
-  return bf16_lo_to_f32(pack_bf16x2(__uint_as_float(b), 0.f));
-}
-DSV4_DEVICE void fwht128(float v[4], int lane) {
-  double d[4] = {(double)v[0], (double)v[1], (double)v[2], (double)v[3]};
-  const double a0 = d[0] + d[1], a1 = d[0] - d[1], a2 = d[2] + d[3], a3 = d[2] - d[3];
-  d[0] = a0 + a2; d[2] = a0 - a2; d[1] = a1 + a3; d[3] = a1 - a3;
-#pragma unroll
-  for (int b = 0; b < 5; ++b) {
-    const bool upper = (lane >> b) & 1;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const double p = __shfl_xor_sync(0xffffffffu, d[i], 1 << b);
-      d[i] = upper ? (p - d[i]) : (d[i] + p);
-    }
-  }
-  const double s = 0.08838834764831845;  // fp64(128^-0.5)
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = bf16r_f64(d[i] * s);
-}
-
-// E2M1 round-to-nearest-even code (bit 3 = sign) of x (already divided by its scale);
-// thresholds are the midpoints of [0, .5, 1, 1.5, 2, 3, 4, 6], ties to the even code.
-DSV4_DEVICE u32 e2m1_code(float x) {
-  const float a = fabsf(x);
-  u32 i = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return i | ((__float_as_uint(x) >> 28) & 8u);
-}
-// 2^ceil(log2(x)) exponent byte (UE8M0) of a normal positive fp32 x
-DSV4_DEVICE u32 ue8m0_ceil_byte(float x) {
-  const u32 b = __float_as_uint(x);
-  return ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u);
-}
+// Hadamard: fwht128 (common.cuh, DSV4 rotate_activation); E2M1 / UE8M0 encode: e2m1_code_rne,
+// ue8m0_byte_ceil (common.cuh).
 
 // mode 0: cache writer: row n -> slot_mapping[n] (skipped if < 0 or >= num_slots) in the paged cache.
 // mode 1: query quantizer: row n -> q_out + n*VB, sf_out + n*SB(q), w_out[n] (FP8 folds its scale).
@@ -488,11 +429,11 @@ extern "C" __global__ void __launch_bounds__(128) indexer_quant_kernel(
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
   amax = fmaxf(amax, 6.0f * 1.1754943508222875e-38f);
-  const u32 e = ue8m0_ceil_byte(amax * 0.16666667163372040f);
+  const u32 e = ue8m0_byte_ceil(amax * 0.16666667163372040f);
   const float s = __uint_as_float(e << 23);
   u32 codes = 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) codes |= e2m1_code(fminf(fmaxf(v[i] / s, -6.f), 6.f)) << (4 * i);
+  for (int i = 0; i < 4; ++i) codes |= e2m1_code_rne(fminf(fmaxf(v[i] / s, -6.f), 6.f)) << (4 * i);
   *reinterpret_cast<u16*>(vdst + lane * 2) = (u16)codes;
   if ((lane & 7) == 0) sdst[lane >> 3] = (u8)e;
 #elif IDX_FMT == 1
@@ -510,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(128) indexer_quant_kernel(
   u32 codes = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    u32 c = e2m1_code(fminf(fmaxf(v[i] * enc, -6.f), 6.f));
+    u32 c = e2m1_code_rne(fminf(fmaxf(v[i] * enc, -6.f), 6.f));
     if (sf == 0.f) c &= 8u;
     codes |= c << (4 * i);
   }
@@ -521,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(128) indexer_quant_kernel(
   //   s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), q = e4m3(clamp(x / s, -448, 448))
   amax = warp_max(amax);
   amax = fmaxf(amax, 1e-4f);
-  const float s = __uint_as_float(ue8m0_ceil_byte(amax * __uint_as_float(0x3b124925u)) << 23);
+  const float s = __uint_as_float(ue8m0_byte_ceil(amax * __uint_as_float(0x3b124925u)) << 23);
   const u32 lo = f32x2_to_e4m3x2(v[0] / s, v[1] / s), hi = f32x2_to_e4m3x2(v[2] / s, v[3] / s);  // satfinite = clamp
   *reinterpret_cast<u32*>(vdst + lane * 4) = lo | (hi << 16);
   if (lane == 0 && mode == 0) *reinterpret_cast<float*>(sdst) = s;

@@ -1,4 +1,4 @@
-"""CUDA (NVRTC) providers for the Lightning Indexer ops: ``indexer.cu`` + ``indexer.cuh``.
+"""CUDA (NVRTC) providers for the Lightning Indexer ops: ``indexer.cu`` (helpers in ``common.cuh``).
 
 * ``indexer_cache_write`` / ``indexer_q_quant``: ``indexer_quant_kernel``, one warp per 128-dim
   row (fp64 FWHT Hadamard by shuffles, rounded once to bf16; MXFP4 / NVFP4 / FP8 encode), one

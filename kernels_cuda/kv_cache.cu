@@ -10,8 +10,8 @@
 //                             by shuffles and stored as one 8 B word. slot < 0 or >= n_slots
 //                             -> skipped.
 //   kv_gather_kernel          one warp per output row (SWA rows first, then compressed rows):
-//                             logical index -> block_table -> page; -1 / out-of-range -> zero
-//                             row. 8 B E4M3 loads + one 8 B scale word, exact E4M3*2^k -> BF16,
+//                             logical index -> block_table -> page; -1 / out-of-range / at or
+//                             past the request's length (lens[req]) -> zero row. 8 B E4M3 loads + one 8 B scale word, exact E4M3*2^k -> BF16,
 //                             16 B stores.
 //   kv_compress_prefill_kernel  one group of D/4 threads (x RS row groups) per compressed entry;
 //                             each thread owns 4 channels (16 B loads of kv/score/ape), online
@@ -95,16 +95,16 @@ DSV4_DEVICE void kvc_append_token(u32x4 a, u32x4 b, i64 slot, u8* __restrict__ c
   for (int i = 0; i < 8; ++i) {
     f[2 * i] = bf16_lo_to_f32(w[i]);
     f[2 * i + 1] = bf16_hi_to_f32(w[i]);
-    amax = fmaxf(amax, fmaxf(kvc_finite_abs(f[2 * i]), kvc_finite_abs(f[2 * i + 1])));
+    amax = fmaxf(amax, fmaxf(finite_abs(f[2 * i]), finite_abs(f[2 * i + 1])));
   }
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 1));  // 4 lanes = 64 dims
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 2));
   const u32 sb = kvc_fp8_scale_byte(amax);
-  const float s = kvc_pow2(sb);
+  const float s = exp2_byte(sb);
   u32 q[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
-    q[i] = kvc_e4m3x4(__fdiv_rn(f[4 * i], s), __fdiv_rn(f[4 * i + 1], s), __fdiv_rn(f[4 * i + 2], s),
+    q[i] = f32x4_to_e4m3x4(__fdiv_rn(f[4 * i], s), __fdiv_rn(f[4 * i + 1], s), __fdiv_rn(f[4 * i + 2], s),
                       __fdiv_rn(f[4 * i + 3], s));
   const i64 page = slot / block_size, off = slot - page * block_size;
 #if KVC_FMT == 0
@@ -174,9 +174,12 @@ extern "C" __global__ void __launch_bounds__(256) kv_append_kernel(
 // =======================================================================================
 // gather: out[t, k] = dequant(row) for k < W from the SWA cache (swa_idx), else from the
 // compressed cache (idx); logical index l -> page = bt[req, l / bs], slot l % bs.
+// Row l of request req is read only when 0 <= l < lens[req] (isolation: a padded / stale
+// block_table column past the request's length never exposes another request's entries).
 DSV4_DEVICE const u8* kvc_row_addr(const u8* cache, i32 bs, i64 nb, const i32* bt, i32 bt_cols, i32 bt_rows,
-                                   int req, i32 l, const u8** sf) {
+                                   const i32* lens, int req, i32 l, const u8** sf) {
   if (l < 0 || req < 0 || req >= bt_rows) return nullptr;
+  if (l >= __ldg(lens + req)) return nullptr;
   const i32 pi = l / bs;
   if (pi >= bt_cols) return nullptr;
   const i32 page = __ldg(bt + (i64)req * bt_cols + pi);
@@ -203,16 +206,18 @@ DSV4_DEVICE u32x4 kvc_e4m3x8_bf16(u32x2 e, float s) {
                pack_bf16x2(x[6] * s, x[7] * s)};
 }
 DSV4_DEVICE float kvc_sf_of(u32x2 sw, int g) {
-  return kvc_pow2(((g < 4 ? sw.x : sw.y) >> (8 * (g & 3))) & 0xFFu);
+  return exp2_byte(((g < 4 ? sw.x : sw.y) >> (8 * (g & 3))) & 0xFFu);
 }
 
 // KVC_GATHER_RPW output rows per warp; lane units: u0 = lane (E4M3 bytes [8u, 8u+8)), u1 = lane + 32
 // (E4M3 for lane < 24, else rope bytes [448 + 16(lane-24), +16)); all loads first, then stores.
 extern "C" __global__ void __launch_bounds__(256) kv_gather_kernel(
     const u8* __restrict__ cache, i32 bs, i64 nb, const i32* __restrict__ bt, i32 bt_cols, i32 bt_rows,
+    const i32* __restrict__ lens,                        // [bt_rows] valid entries per request
     const i32* __restrict__ idx, i32 K,                  // [T, K] compressed logical indices
     const u8* __restrict__ swa_cache, i32 swa_bs, i64 swa_nb, const i32* __restrict__ swa_bt,
-    i32 swa_bt_cols, i32 swa_bt_rows, const i32* __restrict__ swa_idx, i32 W,   // [T, W]
+    i32 swa_bt_cols, i32 swa_bt_rows, const i32* __restrict__ swa_lens,          // [swa_bt_rows]
+    const i32* __restrict__ swa_idx, i32 W,              // [T, W]
     const i32* __restrict__ req_idx,                     // [T] or null (req = t)
     u8* __restrict__ out, i64 T) {                       // [T, W + K, 512] bf16
   const int lane = threadIdx.x & 31;
@@ -236,15 +241,15 @@ extern "C" __global__ void __launch_bounds__(256) kv_gather_kernel(
       const int req = req_idx ? __ldg(req_idx + t) : (int)t;
       const u8* sf = nullptr;
       if (c < W)
-        src[k] = kvc_row_addr(swa_cache, swa_bs, swa_nb, swa_bt, swa_bt_cols, swa_bt_rows, req,
+        src[k] = kvc_row_addr(swa_cache, swa_bs, swa_nb, swa_bt, swa_bt_cols, swa_bt_rows, swa_lens, req,
                               __ldg(swa_idx + t * W + c), &sf);
       else
-        src[k] = kvc_row_addr(cache, bs, nb, bt, bt_cols, bt_rows, req, __ldg(idx + t * K + (c - W)), &sf);
+        src[k] = kvc_row_addr(cache, bs, nb, bt, bt_cols, bt_rows, lens, req, __ldg(idx + t * K + (c - W)), &sf);
       if (src[k]) {
 #if KVC_FMT == 0
-        sw[k] = kvc_ld_nc_v2(sf);
-        e0[k] = kvc_ld_nc_v2(src[k] + lane * 8);
-        if (lane < 24) e1[k] = kvc_ld_nc_v2(src[k] + (lane + 32) * 8);
+        sw[k] = ld_global_nc_v2(sf);
+        e0[k] = ld_global_nc_v2(src[k] + lane * 8);
+        if (lane < 24) e1[k] = ld_global_nc_v2(src[k] + (lane + 32) * 8);
         else rp[k] = ld_global_nc_v4(src[k] + KVC_NOPE + (lane - 24) * 16);
 #else
         v0[k] = ld_global_nc_v4(src[k] + lane * 16);
@@ -312,7 +317,7 @@ DSV4_DEVICE u8* kvc_entry_sf(u8* cache, i32 bs, const i32* bt, i32 bt_cols, int 
 template <class F>
 DSV4_DEVICE void kvc_pool(const F& fetch, int g, KvcPool& p) {
 #pragma unroll
-  for (int k = 0; k < 4; ++k) { p.m[k] = kvc_neg_inf(); p.l[k] = 0.f; p.a[k] = 0.f; }
+  for (int k = 0; k < 4; ++k) { p.m[k] = neg_inf_f32(); p.l[k] = 0.f; p.a[k] = 0.f; }
   for (int j0 = 0; j0 < RPG; j0 += UNR) {
     float4 kv4[UNR], sc4[UNR];
 #pragma unroll
@@ -372,7 +377,7 @@ DSV4_DEVICE void kvc_finish(const KvcPool& p, bool active, int t, float* red, co
   const int c = 4 * t;
   float x[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) x[k] = active ? kvc_bf16r(__fdiv_rn(p.a[k], p.l[k])) : 0.f;  // kv.to(bf16)
+  for (int k = 0; k < 4; ++k) x[k] = active ? round_bf16(__fdiv_rn(p.a[k], p.l[k])) : 0.f;  // kv.to(bf16)
   float ss = __fmul_rn(x[0], x[0]);
   ss = __fmaf_rn(x[1], x[1], ss);
   ss = __fmaf_rn(x[2], x[2], ss);
@@ -385,31 +390,31 @@ DSV4_DEVICE void kvc_finish(const KvcPool& p, bool active, int t, float* red, co
 #endif
   if (!active || dst == nullptr) return;
   const float rr = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ss * (1.0f / D), eps)));
-  const float4 w4 = kvc_ld_nc_f4(norm_w + c);
+  const float4 w4 = ld_global_nc_f4(norm_w + c);
   const float w[4] = {w4.x, w4.y, w4.z, w4.w};
   float y[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) y[k] = kvc_bf16r(__fmul_rn(w[k], __fmul_rn(x[k], rr)));
+  for (int k = 0; k < 4; ++k) y[k] = round_bf16(__fmul_rn(w[k], __fmul_rn(x[k], rr)));
   if (c >= D - KVC_ROPE) {  // interleaved pairs (c, c+1), (c+2, c+3) at position b * R
     i64 pos = (i64)b * R;
     pos = pos < n_pos ? pos : n_pos - 1;  // documented clamp (debug_check validates)
-    const float4 cs = kvc_ld_nc_f4(cos_sin + pos * KVC_ROPE + (c - (D - KVC_ROPE)));
+    const float4 cs = ld_global_nc_f4(cos_sin + pos * KVC_ROPE + (c - (D - KVC_ROPE)));
     const float y0 = __fsub_rn(__fmul_rn(y[0], cs.x), __fmul_rn(y[1], cs.y));
     const float y1 = __fadd_rn(__fmul_rn(y[0], cs.y), __fmul_rn(y[1], cs.x));
     const float y2 = __fsub_rn(__fmul_rn(y[2], cs.z), __fmul_rn(y[3], cs.w));
     const float y3 = __fadd_rn(__fmul_rn(y[2], cs.w), __fmul_rn(y[3], cs.z));
-    y[0] = kvc_bf16r(y0); y[1] = kvc_bf16r(y1); y[2] = kvc_bf16r(y2); y[3] = kvc_bf16r(y3);
+    y[0] = round_bf16(y0); y[1] = round_bf16(y1); y[2] = round_bf16(y2); y[3] = round_bf16(y3);
   }
 #if D == 512
   // act_quant(nope, 64, ue8m0): 16 threads per block of 64
-  float amax = fmaxf(fmaxf(kvc_finite_abs(y[0]), kvc_finite_abs(y[1])), fmaxf(kvc_finite_abs(y[2]), kvc_finite_abs(y[3])));
+  float amax = fmaxf(fmaxf(finite_abs(y[0]), finite_abs(y[1])), fmaxf(finite_abs(y[2]), finite_abs(y[3])));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 2));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 4));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 8));
   const u32 sb = kvc_fp8_scale_byte(amax);
-  const float s = kvc_pow2(sb);
-  const u32 q = kvc_e4m3x4(__fdiv_rn(y[0], s), __fdiv_rn(y[1], s), __fdiv_rn(y[2], s), __fdiv_rn(y[3], s));
+  const float s = exp2_byte(sb);
+  const u32 q = f32x4_to_e4m3x4(__fdiv_rn(y[0], s), __fdiv_rn(y[1], s), __fdiv_rn(y[2], s), __fdiv_rn(y[3], s));
 #if KVC_FMT == 0
   if (c < KVC_NOPE) {
     *reinterpret_cast<u32*>(dst + c) = q;
@@ -429,16 +434,24 @@ DSV4_DEVICE void kvc_finish(const KvcPool& p, bool active, int t, float* red, co
   }
 #endif
 #else   // D == 128: indexer key: Hadamard, bf16, MXFP4 (block 32 = 8 lanes)
-  kvc_fwht128(y, lane);   // rotate_activation: bf16 in, bf16 out (one correct rounding)
-  float amax = fmaxf(fmaxf(kvc_finite_abs(y[0]), kvc_finite_abs(y[1])), fmaxf(kvc_finite_abs(y[2]), kvc_finite_abs(y[3])));
+  fwht128(y, lane);   // rotate_activation: bf16 in, bf16 out (one correct rounding)
+  float amax = fmaxf(fmaxf(finite_abs(y[0]), finite_abs(y[1])), fmaxf(finite_abs(y[2]), finite_abs(y[3])));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 2));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 4));
-  const u32 sb = kvc_fp4_scale_byte(amax);
-  const float s = kvc_pow2(sb);
+  // OCP MX rule (dsv4.formats.quantize_mxfp4, issue 19 item 13): a block of 32 holding a NaN / Inf
+  // gets the NaN scale 0xFF and zero codes (it decodes to NaN)
+  u32 nf = (finite_abs(y[0]) != fabsf(y[0])) | (finite_abs(y[1]) != fabsf(y[1])) |
+           (finite_abs(y[2]) != fabsf(y[2])) | (finite_abs(y[3]) != fabsf(y[3]));
+  nf |= __shfl_xor_sync(KVC_FULL, nf, 1);
+  nf |= __shfl_xor_sync(KVC_FULL, nf, 2);
+  nf |= __shfl_xor_sync(KVC_FULL, nf, 4);
+  const u32 sb = nf ? 0xFFu : kvc_fp4_scale_byte(amax);
+  const float s = nf ? __uint_as_float(0x7FC00000u) : exp2_byte(sb);
   u32 codes = 0;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) codes |= kvc_e2m1_code(fminf(fmaxf(__fdiv_rn(y[k], s), -6.f), 6.f)) << (4 * k);
+  for (int k = 0; k < 4; ++k) codes |= e2m1_code_rne(fminf(fmaxf(__fdiv_rn(y[k], s), -6.f), 6.f)) << (4 * k);
+  if (nf) codes = 0;
 #if KVC_FMT == 0
   *reinterpret_cast<u16*>(dst + 2 * lane) = (u16)codes;
   u32 word = 0;
@@ -516,14 +529,14 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) kv_compress_prefill_ker
     const i64 src = ((i64)s0 + tok) * CH;
     for (int q = threadIdx.x; q < CH / 4; q += blockDim.x) {
       float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f);
-      float4 s4 = make_float4(kvc_neg_inf(), kvc_neg_inf(), kvc_neg_inf(), kvc_neg_inf());
+      float4 s4 = make_float4(neg_inf_f32(), neg_inf_f32(), neg_inf_f32(), neg_inf_f32());
       if (v) {
-        k4 = kvc_ld_nc_f4(kv + src + 4 * q);
-        const float4 a4 = kvc_ld_nc_f4(ap + 4 * q), r4 = kvc_ld_nc_f4(score + src + 4 * q);
+        k4 = ld_global_nc_f4(kv + src + 4 * q);
+        const float4 a4 = ld_global_nc_f4(ap + 4 * q), r4 = ld_global_nc_f4(score + src + 4 * q);
         s4 = make_float4(r4.x + a4.x, r4.y + a4.y, r4.z + a4.z, r4.w + a4.w);
       }
-      kvc_st_f4(kd + 4 * q, k4);
-      kvc_st_f4(sd + 4 * q, s4);
+      st_global_v4_f32(kd + 4 * q, k4);
+      st_global_v4_f32(sd + 4 * q, s4);
     }
     return;
   }
@@ -543,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) kv_compress_prefill_ker
     if (OVL && j < R) {
       if (b == 0) {
         k4 = make_float4(0.f, 0.f, 0.f, 0.f);
-        s4 = make_float4(kvc_neg_inf(), kvc_neg_inf(), kvc_neg_inf(), kvc_neg_inf());
+        s4 = make_float4(neg_inf_f32(), neg_inf_f32(), neg_inf_f32(), neg_inf_f32());
         return;
       }
       tok = tok0 - R + j; off = 0; aj = j;
@@ -552,9 +565,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) kv_compress_prefill_ker
       tok = tok0 + aj;
       off = OVL ? D : 0;
     }
-    k4 = kvc_ld_nc_f4(kv + tok * CH + off + c);
-    const float4 r4 = kvc_ld_nc_f4(score + tok * CH + off + c);
-    const float4 a4 = kvc_ld_nc_f4(ape + (i64)aj * CH + off + c);
+    k4 = ld_global_nc_f4(kv + tok * CH + off + c);
+    const float4 r4 = ld_global_nc_f4(score + tok * CH + off + c);
+    const float4 a4 = ld_global_nc_f4(ape + (i64)aj * CH + off + c);
     s4 = make_float4(r4.x + a4.x, r4.y + a4.y, r4.z + a4.z, r4.w + a4.w);
   };
   KvcPool p;
@@ -587,18 +600,18 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS) kv_compress_decode_kern
   float* kst = kv_state + (i64)s * NR * CH;
   float* sst = score_state + (i64)s * NR * CH;
   for (int q = threadIdx.x; q < CH / 4; q += blockDim.x) {
-    const float4 k4 = kvc_ld_nc_f4(kv + (i64)s * CH + 4 * q);
-    const float4 r4 = kvc_ld_nc_f4(score + (i64)s * CH + 4 * q), a4 = kvc_ld_nc_f4(ape + (i64)j * CH + 4 * q);
-    kvc_st_f4(kst + (i64)row * CH + 4 * q, k4);
-    kvc_st_f4(sst + (i64)row * CH + 4 * q, make_float4(r4.x + a4.x, r4.y + a4.y, r4.z + a4.z, r4.w + a4.w));
+    const float4 k4 = ld_global_nc_f4(kv + (i64)s * CH + 4 * q);
+    const float4 r4 = ld_global_nc_f4(score + (i64)s * CH + 4 * q), a4 = ld_global_nc_f4(ape + (i64)j * CH + 4 * q);
+    st_global_v4_f32(kst + (i64)row * CH + 4 * q, k4);
+    st_global_v4_f32(sst + (i64)row * CH + 4 * q, make_float4(r4.x + a4.x, r4.y + a4.y, r4.z + a4.z, r4.w + a4.w));
   }
   if ((pos + 1) % R != 0) return;  // uniform over the CTA
   __syncthreads();
   const int tid = threadIdx.x, g = tid / TPE, t = tid % TPE, c = 4 * t;
   auto fetch = [&](int jj, float4& k4, float4& s4) {
     const int off = (OVL && jj < R) ? 0 : (OVL ? D : 0);
-    k4 = kvc_ld_f4(kst + (i64)jj * CH + off + c);
-    s4 = kvc_ld_f4(sst + (i64)jj * CH + off + c);
+    k4 = ld_global_v4_f32(kst + (i64)jj * CH + off + c);
+    s4 = ld_global_v4_f32(sst + (i64)jj * CH + off + c);
   };
   KvcPool p;
   kvc_pool(fetch, g, p);
@@ -607,11 +620,11 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS) kv_compress_decode_kern
   __syncthreads();  // every pooled read is done before the overlap rows are overwritten
   for (int q = threadIdx.x; q < R * CH / 4; q += blockDim.x) {
     const int rr = q / (CH / 4), cc = q % (CH / 4);
-    kvc_st_f4(kst + (i64)rr * CH + 4 * cc, kvc_ld_f4(kst + (i64)(R + rr) * CH + 4 * cc));
-    kvc_st_f4(sst + (i64)rr * CH + 4 * cc, kvc_ld_f4(sst + (i64)(R + rr) * CH + 4 * cc));
+    st_global_v4_f32(kst + (i64)rr * CH + 4 * cc, ld_global_v4_f32(kst + (i64)(R + rr) * CH + 4 * cc));
+    st_global_v4_f32(sst + (i64)rr * CH + 4 * cc, ld_global_v4_f32(sst + (i64)(R + rr) * CH + 4 * cc));
   }
 #endif
-  const int b = (int)(pos / R);
+  const int b = (int)min(pos / R, (i64)0x7FFFFFFF);  // a huge position: entry past every block table, not written
   u8* dst = kvc_entry_dst(cache, bs, nb, bt, bt_cols, s, b);
   u8* sfd = nullptr;
 #if KVC_FMT == 0

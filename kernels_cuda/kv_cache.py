@@ -1,11 +1,13 @@
 """CUDA (NVRTC) providers for the DSV4 KV cache ops: ``kv_cache.cu`` (+ ``kv_cache.cuh``).
 
-Why raw CUDA and not the CuTe DSL: these kernels are gather/scatter through block tables with
-per-row data-dependent addresses, sub-16-byte fields at odd strides (576 B data + 8 B scale
-words, 68 B MXFP4 rows), warp-level prefix scans (entry -> ragged sequence), shuffle
-reductions over 4/8/16-lane groups and PTX conversions (cvt.rn.satfinite.e4m3x2.f32); none
-needs tensor cores or TMA, and every piece is a few lines of CUDA C++ where the DSL would
-need custom layouts for each byte region. No host sync, one launch per op.
+``kv_cache_append`` / ``kv_gather``: the CuTe DSL providers (``kernels_dsl/kv_cache.py``) come
+first and were measured faster (H200 2026-12-01, docs/benchmarks.md); these kernels remain the
+path for caches / outputs over 2^31 32-bit words (8 GiB), which the DSL kernels' int32 flat
+extents do not cover (to delete once the DSL ones take 64-bit extents).
+The compressors (``kv_compress_prefill`` / ``kv_compress_decode``) have no DSL provider yet:
+warp-level prefix scans (entry -> ragged sequence), online softmax with pinned fp32 rounding
+shared bit-for-bit by prefill and decode, shuffle reductions over 4/8/16-lane groups.
+No host sync, one launch per op.
 """
 from __future__ import annotations
 
@@ -65,9 +67,10 @@ class CudaKvCacheAppend(_Cuda):
 
 
 class CudaKvGather(_Cuda):
-    describe = "kv_cache.cu kv_gather_kernel: warp per row, block_table lookup, exact E4M3 -> BF16"
+    describe = "kv_cache.cu kv_gather_kernel: warp per row, block_table lookup + lens check, exact E4M3 -> BF16"
 
-    def run(self, problem, *, cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices):
+    def run(self, problem, *, cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table, swa_indices,
+            swa_lens):
         T, K = indices.shape
         W = swa_indices.shape[1] if swa_indices is not None else 0
         out = torch.empty((T, W + K, 512), dtype=torch.bfloat16, device=indices.device)
@@ -78,12 +81,13 @@ class CudaKvGather(_Cuda):
         bs = _bs(cache, 512)
         if swa_indices is not None:
             sargs = (swa_cache, np.int32(_bs(swa_cache, 512)), np.int64(swa_cache.shape[0]), swa_block_table,
-                     np.int32(swa_block_table.shape[1]), np.int32(swa_block_table.shape[0]), swa_indices, np.int32(W))
+                     np.int32(swa_block_table.shape[1]), np.int32(swa_block_table.shape[0]), swa_lens, swa_indices,
+                     np.int32(W))
         else:
-            sargs = (_NULL, np.int32(1), np.int64(0), _NULL, np.int32(0), np.int32(0), _NULL, np.int32(0))
+            sargs = (_NULL, np.int32(1), np.int64(0), _NULL, np.int32(0), np.int32(0), _NULL, _NULL, np.int32(0))
         per_cta = 8 * _tune("KVC_GATHER_RPW")
         launch(mod.kernel("kv_gather_kernel"), (rows + per_cta - 1) // per_cta, 256, cache, np.int32(bs), np.int64(cache.shape[0]),
-               block_table, np.int32(block_table.shape[1]), np.int32(block_table.shape[0]), indices, np.int32(K),
+               block_table, np.int32(block_table.shape[1]), np.int32(block_table.shape[0]), lens, indices, np.int32(K),
                *sargs, _ptr(req_idx), out, np.int64(T))
         return out
 

@@ -7,7 +7,9 @@
 //   stage 2 (MD_STAGE=2): y[r, n] = g2[e] * sum_k h[r, k] W2[e, n, k], fp32.
 // Grouped rows: expert e owns rows [row_start[e], row_start[e] + row_count[e]) (masked or
 // contiguous layout alike); counts are read on the device (no host sync, graph capturable), empty
-// experts have no work items.
+// experts have no work items. Bad grouping metadata never faults (md_rows, same rule as the CuTe DSL
+// scheduler, kernels_dsl/sm90/scheduler.py): expert e's rows are [row_start[e], row_start[e] + c) with
+// c = min(row_count[e], R - row_start[e]) when 0 <= row_start[e] < R and row_count[e] > 0, else c = 0.
 //
 // Design (decode: the weight bytes are the cost, the tensor cores are idle):
 // * swap AB: weight rows are the MMA M dimension (A from REGISTERS), the <= MD_NT tokens of one
@@ -108,8 +110,17 @@ struct MdItem {
   i64 tok0;
 };
 
+// rows of expert e clamped to [0, R) (bad row_start / row_count: no rows, never an access outside A)
+DSV4_DEVICE int md_rows(const int* __restrict__ row_start, const int* __restrict__ row_count, int e, i64 R,
+                        int& rs) {
+  const int s = __ldg(row_start + e), c = __ldg(row_count + e);
+  const bool ok = s >= 0 && (i64)s < R && c > 0;
+  rs = ok ? s : 0;
+  return ok ? (int)min((i64)c, R - (i64)s) : 0;
+}
+
 DSV4_DEVICE void md_item(int item, int NS, const int* sPrefix, const int* __restrict__ row_start,
-                         const int* __restrict__ row_count, int E, MdItem& it) {
+                         const int* __restrict__ row_count, int E, i64 R, MdItem& it) {
   const int mt = item / NS, nt = item - mt * NS;
   int lo = 0, hi = E - 1;  // expert e: sPrefix[e] <= mt < sPrefix[e + 1]
   while (lo < hi) {
@@ -118,8 +129,10 @@ DSV4_DEVICE void md_item(int item, int NS, const int* sPrefix, const int* __rest
   }
   const int ch = (mt - sPrefix[lo]) * MD_NT;
   it.e = lo;
-  it.tok0 = (i64)__ldg(row_start + lo) + ch;
-  it.ntok = min(MD_NT, __ldg(row_count + lo) - ch);
+  int rs;
+  const int rc = md_rows(row_start, row_count, lo, R, rs);
+  it.tok0 = (i64)rs + ch;
+  it.ntok = min(MD_NT, rc - ch);
   it.n0 = nt * SLAB;
 }
 
@@ -160,7 +173,7 @@ DSV4_DEVICE void build_b(u32 sB, const u32x4* av, float sa, int t, int k0) {
 #endif
 #pragma unroll
     for (int j = 0; j < 4; ++j)  // pair (k+j, k+j+4): step 2q + (j>>1), position 8(j&1) + 2c (+1)
-      md_st_shared_u32(sB + b_off(t, 2 * q + (j >> 1), 8 * (j & 1) + 2 * c), pr[j]);
+      st_shared_u32(sB + b_off(t, 2 * q + (j >> 1), 8 * (j & 1) + 2 * c), pr[j]);
   }
 }
 
@@ -177,10 +190,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
     float* __restrict__ out_s,          // stage 1 FP8: [R, N/2/128]
     float* __restrict__ ws,             // split-K partials: [ucap][2 * NACC][NCONS] fp32
     int* __restrict__ cnt,              // split-K arrival counters [ucap], zero on entry and on exit
-    int E, int N, int K, int ksplit_max, int ucap) {
+    int E, int N, int K, int ksplit_max, int ucap,
+    i64 R) {                            // grouped rows of A (bounds the expert ranges: md_rows)
   extern __shared__ __align__(128) u8 smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const u32 s_base = md_smem_u32(smem);
+  const u32 s_base = smem_u32(smem);
   const u32 bar_base = s_base + MD_STAGES * SLOT_BYTES;  // full[MD_STAGES], empty[MD_STAGES]
   float* sAmax = reinterpret_cast<float*>(smem + MD_STAGES * SLOT_BYTES + 16 * MD_STAGES);  // [MD_NWG*4][MD_NT]
   u32* sF4 = reinterpret_cast<u32*>(sAmax + MD_NWG * 4 * MD_NT);  // [256] NVFP4: bf16x2 {e4m3(b) * 2^118}
@@ -202,7 +216,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
     int carry = 0;
     for (int b = 0; b < E; b += 32) {
       const int e = b + lane;
-      int v = e < E ? (__ldg(row_count + e) + MD_NT - 1) / MD_NT : 0;
+      int rs;
+      int v = e < E ? (md_rows(row_start, row_count, e, R, rs) + MD_NT - 1) / MD_NT : 0;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
         const int t = __shfl_up_sync(0xFFFFFFFFu, v, o);
@@ -237,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
     int g = 0;
     for (int un = blockIdx.x; un < units; un += gridDim.x) {
       MdItem it;
-      md_item(un / ks, NS, sPrefix, row_start, row_count, E, it);
+      md_item(un / ks, NS, sPrefix, row_start, row_count, E, R, it);
       const u8* wb = W + ((i64)it.e * N + it.n0) * (K / 2);
       const u8* sb = W_s + ((i64)it.e * N + it.n0) * (K / SFK);
       const bool tv = t < it.ntok;
@@ -274,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
 #pragma unroll 8
         for (int i = 0; i < SLAB * 4 / 32; ++i) {
           const int ch = lane + 32 * i, rr = ch >> 2, c = ch & 3;
-          md_cp_async16(sl + rr * 64 + c * 16, wb + (i64)rr * (K / 2) + kb * 64 + c * 16);
+          cp_async_cg16<MD_L2PF>(sl + rr * 64 + c * 16, wb + (i64)rr * (K / 2) + kb * 64 + c * 16);
         }
 #endif
         const u32 sc = sl + W_BYTES + B_BYTES;
@@ -282,14 +297,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
         for (int i = 0; i < SLAB / 32; ++i) {
           const int rr = lane + 32 * i;
 #if MD_WFMT == 0
-          md_cp_async4(sc + rr * 4, sb + (i64)rr * (K / 32) + kb * 4);
+          cp_async_ca<MD_L2PF, 4>(sc + rr * 4, sb + (i64)rr * (K / 32) + kb * 4);
 #else
-          md_cp_async8(sc + rr * 8, sb + (i64)rr * (K / 16) + kb * 8);
+          cp_async_ca<MD_L2PF, 8>(sc + rr * 8, sb + (i64)rr * (K / 16) + kb * 8);
 #endif
         }
         cp_async_mbar_arrive_noinc(fullb);
         build_b(sl + W_BYTES, av, sa, t, k0);
-        md_fence_proxy_async();
+        fence_proxy_async_smem();
         __syncwarp();
         if (lane == 0) mbar_arrive(fullb);
       }
@@ -304,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
   for (int un = blockIdx.x; un < units; un += gridDim.x) {
     const int item = un / ks;
     MdItem it;
-    md_item(item, NS, sPrefix, row_start, row_count, E, it);
+    md_item(item, NS, sPrefix, row_start, row_count, E, R, it);
     float acc0[NACC], acc1[NACC];
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc0[i] = acc1[i] = 0.0f;
@@ -321,25 +336,25 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
 #pragma unroll
         for (int ng = 0; ng < MD_NT / 8; ++ng) {
           const u32 ba = sl + W_BYTES + s * (MD_NT * 32) + ng * 256 + (lane >> 2) * 16 + 4 * c;
-          bfr[s][ng][0] = md_ld_shared_u32(ba);
-          bfr[s][ng][1] = md_ld_shared_u32(ba + 128);
+          bfr[s][ng][0] = ld_shared_u32(ba);
+          bfr[s][ng][1] = ld_shared_u32(ba + 128);
         }
       }
 #endif
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) { md_fence_acc(acc0[i]); md_fence_acc(acc1[i]); }
+      for (int i = 0; i < NACC; ++i) { fence_reg(acc0[i]); fence_reg(acc1[i]); }
 #pragma unroll
       for (int T = 0; T < 2; ++T) {  // decode tile T's A fragments (32 regs), then its 8 WGMMAs
         u32 a[2][16];  // [row r / r+8][word q * 4 + pair j]
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = 128 * wg + 64 * T + r + 8 * h;
-          const u32x4 v = md_ld_shared_v4(sl + row * 64 + c * 16);
+          const u32x4 v = ld_shared_v4(sl + row * 64 + c * 16);
 #if MD_WFMT == 0
-          const u32 sb = md_ld_shared_u32(sl + W_BYTES + B_BYTES + row * 4);
+          const u32 sb = ld_shared_u32(sl + W_BYTES + B_BYTES + row * 4);
           const u32 f0 = ue8m0_f2((sb >> (8 * c)) & 0xFFu), f1 = f0;
 #else
-          const u32 sb = md_ld_shared_u32(sl + W_BYTES + B_BYTES + row * 8 + 4 * (c >> 1)) >> (16 * (c & 1));
+          const u32 sb = ld_shared_u32(sl + W_BYTES + B_BYTES + row * 8 + 4 * (c >> 1)) >> (16 * (c & 1));
           const u32 f0 = sF4[sb & 0xFFu], f1 = sF4[(sb >> 8) & 0xFFu];
 #endif
           e2m1x8_bf16_pairs(v.x, f0, &a[h][0]);
@@ -357,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
             mma_m16n8k16_bf16((T == 0 ? acc0 : acc1) + 4 * ng, fr, bfr[s][ng][0], bfr[s][ng][1]);
         }
 #else
-        md_wgmma_fence();
+        wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const int q = s >> 1, j0 = 2 * (s & 1);
@@ -372,11 +387,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
 #endif
       }
 #if !MD_MMA
-      md_wgmma_commit();
-      md_wgmma_wait0();
+      wgmma_commit();
+      wgmma_wait<0>();
 #endif
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) { md_fence_acc(acc0[i]); md_fence_acc(acc1[i]); }
+      for (int i = 0; i < NACC; ++i) { fence_reg(acc0[i]); fence_reg(acc1[i]); }
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_base + 8 * (MD_STAGES + slot));
     }
@@ -389,14 +404,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
         wsu[(NACC + i) * NCONS + tid] = acc1[i];
       }
       __threadfence();
-      md_named_sync(1, NCONS);
+      named_sync(1, NCONS);
       if (tid == 0) {
         const int prev = atomicAdd(cnt + item, 1);
         const int last = prev == ks - 1;
         if (last) cnt[item] = 0;  // ready for the next launch
         *reinterpret_cast<volatile int*>(sFlag) = last;
       }
-      md_named_sync(1, NCONS);
+      named_sync(1, NCONS);
       if (!*reinterpret_cast<volatile int*>(sFlag)) continue;
       __threadfence();
 #pragma unroll
@@ -422,11 +437,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
     for (int i = 0; i < NACC; ++i) {
       const int tt = 8 * (i >> 2) + 2 * c + (i & 1);
       const float rw = tt < it.ntok ? __ldg(route_w + it.tok0 + tt) : 0.0f;
-      float gt = round_bf16_md(acc0[i] * gg);
-      float up = round_bf16_md(acc1[i] * gu);
+      float gt = round_bf16(acc0[i] * gg);
+      float up = round_bf16(acc1[i] * gu);
       gt = fminf(gt, 10.0f);
       up = fminf(fmaxf(up, -10.0f), 10.0f);
-      hv[i] = round_bf16_md(gt / (1.0f + __expf(-gt)) * up * rw);
+      hv[i] = round_bf16(gt / (1.0f + __expf(-gt)) * up * rw);
     }
 #if MD_ACT == 0
     // DSV4 act_quant(128, ue8m0) per token over the 128 I columns of the two warpgroups
@@ -442,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
         if (lane < 4) sAmax[(wg * 4 + cw) * MD_NT + 8 * jt + 2 * c + b] = m;
       }
     }
-    md_named_sync(1, NCONS);
+    named_sync(1, NCONS);
     u8* hq = reinterpret_cast<u8*>(out);
 #pragma unroll
     for (int jt = 0; jt < NACC / 4; ++jt) {
@@ -465,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
         }
       }
     }
-    md_named_sync(1, NCONS);  // sAmax reuse by the next item
+    named_sync(1, NCONS);  // sAmax reuse by the next item
 #else
     u16* hb = reinterpret_cast<u16*>(out);
 #pragma unroll

@@ -1,8 +1,8 @@
 // moe_decode.cuh: device helpers of the MoE decode kernel (moe_decode.cu). Hopper sm_90a only.
 // Self-contained (includes only common.cuh).
 //
-// * mbarrier (init / arrive / expect_tx / try_wait.parity), 1-D bulk copies
-//   (cp.async.bulk ... mbarrier::complete_tx::bytes), cp.async + cp.async.mbarrier.arrive.noinc.
+// * mbarrier, 1-D bulk copies, cp.async (+ cp.async.mbarrier.arrive.noinc), the RS WGMMA wrappers:
+//   common.cuh. Here: the MMA descriptor / fragment conventions and the E2M1 decode.
 // * WGMMA m64nNk16 bf16 with A from registers (swap AB: the weight rows are M) and B (the
 //   tokens, N = 8 / 16) from shared memory through a K-major no-swizzle descriptor:
 //   core matrix = 8 rows x 16 bytes contiguous; LBO = distance of the two K-adjacent core matrices
@@ -23,82 +23,12 @@
 #pragma once
 #include "common.cuh"
 
-DSV4_DEVICE u32 md_smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-// ------------------------------------------------------------------------------------------
-// mbarrier
-DSV4_DEVICE void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-DSV4_DEVICE void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-DSV4_DEVICE void mbar_arrive(u32 bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
-}
-DSV4_DEVICE void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
-}
-DSV4_DEVICE void mbar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nMD_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra MD_WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
-}
-// arrive on bar once all prior cp.async of this thread have completed (counts as one arrival)
-DSV4_DEVICE void cp_async_mbar_arrive_noinc(u32 bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
-}
-DSV4_DEVICE void md_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-DSV4_DEVICE void md_named_sync(u32 id, u32 nthreads) {
-  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
-}
-
-// ------------------------------------------------------------------------------------------
-// copies
-DSV4_DEVICE void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// cp.async with an optional L2 prefetch-size hint (MD_L2PF = 0 / 64 / 128 / 256 bytes): the L2 fetches
-// the aligned 256-B sector group around the 16 bytes, i.e. the next 3 stages' chunks of the same
-// weight row, so that HBM sees 256-B requests instead of 64-B ones (a hint: no semantic change).
+// cp.async L2 prefetch-size hint (MD_L2PF = 0 / 64 / 128 / 256 bytes) of the weight / scale copies:
+// the L2 fetches the aligned 256-B sector group around the 16 bytes, i.e. the next 3 stages' chunks
+// of the same weight row, so that HBM sees 256-B requests instead of 64-B ones (common.cuh cp_async_cg16).
 #ifndef MD_L2PF
 #define MD_L2PF 256
 #endif
-#if MD_L2PF == 256
-#define MD_PF ".L2::256B"
-#elif MD_L2PF == 128
-#define MD_PF ".L2::128B"
-#elif MD_L2PF == 64
-#define MD_PF ".L2::64B"
-#else
-#define MD_PF ""
-#endif
-DSV4_DEVICE void md_cp_async16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global" MD_PF " [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
-}
-DSV4_DEVICE void md_cp_async8(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global" MD_PF " [%0], [%1], 8;\n" :: "r"(dst), "l"(src) : "memory");
-}
-DSV4_DEVICE void md_cp_async4(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global" MD_PF " [%0], [%1], 4;\n" :: "r"(dst), "l"(src) : "memory");
-}
-DSV4_DEVICE u32x4 md_ld_shared_v4(u32 a) {
-  u32x4 r;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
-  return r;
-}
-DSV4_DEVICE u32 md_ld_shared_u32(u32 a) {
-  u32 r;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a));
-  return r;
-}
-DSV4_DEVICE void md_st_shared_u32(u32 a, u32 v) {
-  asm volatile("st.shared.u32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
-}
 
 // ------------------------------------------------------------------------------------------
 // WGMMA (A from registers, B descriptor)
@@ -109,27 +39,7 @@ DSV4_DEVICE u64 md_desc(u32 saddr, u32 lbo, u32 sbo) {
   d |= (u64)((sbo >> 4) & 0x3FFFu) << 32;
   return d;
 }
-DSV4_DEVICE void md_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-DSV4_DEVICE void md_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-DSV4_DEVICE void md_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-DSV4_DEVICE void md_fence_acc(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-DSV4_DEVICE void wgmma_m64n8k16_rs(float* d, const u32* a, u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-DSV4_DEVICE void wgmma_m64n16k16_rs(float* d, const u32* a, u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
+// wgmma_m64n8k16_rs / wgmma_m64n16k16_rs (A from registers): common_wgmma.cuh (generated).
 
 // mma.sync m16n8k16 bf16 (per warp; MD_MMA=1): A fragment = the per-warp slice of the WGMMA A
 // fragment above (reg0 (r, k..k+1), reg1 (r+8, ..), reg2 (r, k+8..), reg3 (r+8, k+8..)), B fragment
@@ -169,4 +79,3 @@ DSV4_DEVICE u32 e4m3_f2(u32 b) {
   const float f = e4m3_to_f32(b) * 3.3230699894622794e+35f;  // 2^118
   return pack_bf16x2(f, f);
 }
-DSV4_DEVICE float round_bf16_md(float x) { return bf16_lo_to_f32(pack_bf16x2(x, 0.0f) & 0xFFFFu); }

@@ -164,7 +164,7 @@ def _launch(p, act, fmt, stage, a, a_s, w, w_s, w_g, row_start, row_count, route
     grid = grid_size(p, R, E, N, _sm_count(a.device.index or 0))
     ws, cnt, ucap = _split_buffers(p, grid, a.device)
     launch(k, grid, 128 * p["nwg"] + 32, a, a_s, w, w_s, w_g, row_start, row_count, route_w, out, out_s, ws, cnt,
-           np.int32(E), np.int32(N), np.int32(K), np.int32(p["splitk"]), np.int32(ucap), smem=p["smem"])
+           np.int32(E), np.int32(N), np.int32(K), np.int32(p["splitk"]), np.int32(ucap), np.int64(R), smem=p["smem"])
 
 
 def gemm1_swiglu(p: dict, problem: dict, *, a, a_s, w13, w13_scale, g13, row_start, row_count, route_w):

@@ -108,20 +108,9 @@ DSV4_DEVICE u32 amax_bits_tiles(const u8* __restrict__ x, i64 n_chunks, i64 firs
 #pragma unroll
     for (int j = 0; j < QJ; ++j) acc = max_u16x2(acc, chunk_absmax_u16x2(w[j]));
   }
-  u32 h = hmax_u16x2(acc);
-  if (h >= DSV4_ABS_INF) {  // rare: some Inf/NaN among this thread's elements -> finite-only rescan
-    h = 0u;
-    for (i64 t = first; t < n_tiles; t += stride) {
-      for (int j = 0; j < QJ; ++j) {
-        const i64 c = t * TILE_CHUNKS + 32 * j + lane;
-        if (c < n_chunks) {
-          bool nf;
-          h = max(h, chunk_finite_absmax(ld_global_nc_v4(x + c * 16), nf));
-        }
-      }
-    }
-  }
-  return h;
+  // |bits| max including Inf / NaN (NaN > Inf > finite): a non-finite tensor amax gives the NaN
+  // global scale (OCP MX rule, dsv4.formats.nvfp4)
+  return hmax_u16x2(acc);
 }
 
 // Kernel 1 of the two-launch NVFP4 path: per-CTA finite amax partials (fp32), no atomics, no
@@ -179,8 +168,8 @@ extern "C" __global__ void QK_BOUNDS quantize_kernel(
   const i64 n_blocks = n_chunks / CPB;
 
 #if DSV4_FMT == 0
-  // ---- global scale (dsv4.formats.nvfp4: g_enc = min(2688 / amax, FLT_MAX), 1 if amax == 0;
-  //      g_dec = 1/g_enc; amax over finite elements only, hence always finite) ----
+  // ---- global scale (dsv4.formats.nvfp4: g_enc = min(2688 / amax, FLT_MAX), 1 if amax == 0,
+  //      NaN if amax is Inf / NaN (then every block gets the NaN scale); g_dec = 1/g_enc) ----
   float g_enc, g_dec;
 #if DSV4_GS == 1
   g_dec = __ldg(gs_src);
@@ -195,8 +184,10 @@ extern "C" __global__ void QK_BOUNDS quantize_kernel(
   mb = block_max_u32(mb);
   const float amax = __uint_as_float(mb);
   g_enc = amax > 0.0f ? fminf(__fdiv_rn(2688.0f, amax), DSV4_FLT_MAX) : 1.0f;
+  if (mb >= 0x7F800000u) g_enc = __uint_as_float(0x7FFFFFFFu);   // amax Inf / NaN -> NaN global scale
   g_dec = __frcp_rn(g_enc);
 #endif
+  const bool gnan = g_enc != g_enc;                              // every block NaN
   const float mult = g_enc * __uint_as_float(F32_INV6);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     gs_out[0] = g_dec;
@@ -231,9 +222,18 @@ extern "C" __global__ void QK_BOUNDS quantize_kernel(
 #pragma unroll
     for (int j = 0; j < QJ; ++j) {
       bool nf;
-      u32 hb = chunk_finite_absmax(w[j], nf);
+#if DSV4_FMT == 2
+      u32 hb = chunk_finite_absmax(w[j], nf);     // FP8: finite-only block amax, NaN/Inf patched per element
+#else
+      // FP4: |bits| max including Inf / NaN; a block holding one gets the NaN scale and zero codes
+      u32 hb = hmax_u16x2(chunk_absmax_u16x2(w[j]));
+      nf = false;
+#endif
 #pragma unroll
       for (int o = 1; o < CPB; o <<= 1) hb = max(hb, __shfl_xor_sync(0xFFFFFFFFu, hb, o));
+#if DSV4_FMT != 2
+      const bool bad = hb >= DSV4_ABS_INF;
+#endif
       const float vmax = half_bits_to_f32(hb);
       float f[8];
       chunk_to_f32(w[j], f);
@@ -245,10 +245,11 @@ extern "C" __global__ void QK_BOUNDS quantize_kernel(
       const u32 sbyte = f32x2_to_e4m3x2(sf, 0.0f) & 0xFFu;
       const float s = e4m3_to_f32(sbyte);
       const float enc = fminf(__frcp_rn(s * g_dec), DSV4_FLT_MAX);
-      u32 code = nf ? e2m1x8<true>(f, enc) : e2m1x8<false>(f, enc);
+      u32 code = e2m1x8<false>(f, enc);
       if (s == 0.0f) code &= 0x88888888u;
-      sd[ci] = code;
-      if ((lane & 1) == 0) ss[ci >> 1] = (u8)sbyte;
+      const bool nanb = bad || gnan;
+      sd[ci] = nanb ? 0u : code;
+      if ((lane & 1) == 0) ss[ci >> 1] = (u8)(nanb ? 0x7Fu : sbyte);
 #elif DSV4_FMT == 1
       // MXFP4 block of 32: UE8M0 scale s, code = e2m1(x / s) = e2m1(x * 2^-log2(s)) (exact)
       u32 sbyte;
@@ -263,8 +264,8 @@ extern "C" __global__ void QK_BOUNDS quantize_kernel(
       sbyte = (u32)(e + 127);
       inv = exp2_int(-e);
 #endif
-      sd[ci] = nf ? e2m1x8<true>(f, inv) : e2m1x8<false>(f, inv);
-      if ((lane & 3) == 0) ss[ci >> 2] = (u8)sbyte;
+      sd[ci] = bad ? 0u : e2m1x8<false>(f, inv);
+      if ((lane & 3) == 0) ss[ci >> 2] = (u8)(bad ? 0xFFu : sbyte);
 #else
       // FP8 block: amax = max(vmax, 1e-4); s = amax * fp32(1/448) [or 2^ceil(log2(.))];
       // q = e4m3(clamp(x / s, -448, 448)) with x / s correctly rounded

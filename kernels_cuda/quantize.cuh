@@ -1,5 +1,6 @@
 // Device helpers of the quantization kernels (quantize.cu). Bit-exact with dsv4/formats:
-//   * finite-only block amax on packed bf16/fp16 pairs (max.u16x2 on |bits|; NaN/Inf count as 0);
+//   * block amax on packed bf16/fp16 pairs (max.u16x2 on |bits|; NaN > Inf > finite): FP4 blocks with
+//     a NaN / Inf get the NaN scale (OCP MX rule); FP8 uses the finite-only amax (NaN/Inf count as 0);
 //   * E2M1 round-to-nearest-even on the level set {0,.5,1,1.5,2,3,4,6} without a hardware
 //     e2m1 convert (sm_90 has none) and without a compare ladder: one magic-number fp32 add
 //     rounds |y| at the E2M1 ulp of its binade, an integer subtract reads the level index;

@@ -9,10 +9,13 @@
   stream-safe.
 * ``quantize_mxfp4`` / ``quantize_fp8_block``: one launch. ``dequantize_fp8_block``: one launch.
 
-No CuTe DSL provider yet: the encode is bit-exact round-half-to-even E2M1 by magic-add float
-tricks plus prmt byte assembly, and the two-launch NVFP4 path reduces the amax partials in the
-quantize kernel's prologue; the DSL truncates float->int conversions (cutedsl_guide.md wall 5)
-and a DSL port with the same bit-exactness was not attempted in the first session (follow-up).
+The CuTe DSL providers (``kernels_dsl/quantize.py``, same algorithms, bit-exact) are preferred where
+they were measured faster (NVFP4 with a device amax; NVFP4 given scale bf16 swizzled at M > 128;
+MXFP4 bf16 from 2^20 elements); these CUDA providers serve the other classes -- decode-sized MXFP4
+and given-scale NVFP4, FP8 block quant and dequant -- where they measured faster (numbers:
+``kernels_dsl/quantize.py`` ``MEASURED``, docs/benchmarks.md, job quant-02, 2026-12-01).
+FP4 non-finite rule (OCP MX, issue 19 item 13): a block holding a NaN / Inf gets the NaN scale and
+zero codes; a non-finite NVFP4 device amax gives a NaN global scale.
 
 Launch geometry: a warp owns 2048-element tiles (8 x 16-byte loads per lane), persistent
 grid-stride loop, CTAs of up to 8 warps, at most ``TUNING["ctas_per_sm"]`` x 256 threads per SM.

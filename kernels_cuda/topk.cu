@@ -1,42 +1,48 @@
-// topk: exact, deterministic top-k of fp32 indexer logits per row (radix select + bitonic sort).
+// topk: exact, deterministic top-k of fp32 indexer logits per row (radix select + bucket sort).
 // Contract: docs/layouts/topk.md (dsv4/ops/topk.py). Per row r the valid range is [lo, hi) with
 //   hi = clamp(lengths[r], 0, ncols), lo = clamp(starts[r], 0, hi) (lo = 0 without starts).
-// Selectable = in range, not NaN, not -inf. Output: the k best by (score desc, index asc), sorted,
-// padded with (-1, -inf); indices optionally mapped through block_table.
+// Selectable = in range, not NaN, not -inf. Output: the k best by (score desc, index asc), sorted
+// (or, with sorted = 0, the same set in an unspecified order), padded with (-1, -inf); indices
+// optionally mapped through block_table (entries outside [0, num_blocks) -> -1).
 //
 // Algorithm (one cluster of TOPK_CLUSTER CTAs per row, one launch for the batch):
 //   composite key  C(p) = key32(score) << 32 | (hi - 1 - p)      (unique per position)
 //   key32 = order-preserving uint32 of the fp32 bits (-0.0 canonicalized to +0.0), so
 //   "larger C" == "higher score, then lower index"; the selected set is {C >= C_k}, which is a
 //   property of the data only -> bitwise identical for any launch configuration.
-//   1. pass A (global): each CTA of the cluster histograms its contiguous slice of the row into
-//      2048 bins of a monotone bucket (top 11 bits of the order-preserving fp16 code: 32 bins
-//      per octave); the histograms are summed through DSMEM; a block scan finds the bin b0 that
-//      holds the k-th best.
-//   2. pass B (global, mostly L2): elements with bucket > b0 are appended to the leader CTA's
-//      selection buffer (DSMEM stores), elements of bin b0 to its candidate buffer (if they
-//      fit in TOPK_CAP; else the leader re-reads the row), with the AND/OR of their keys.
-//      TOPK_APPEND=0: warp-aggregated atomics on the leader's counter (measured: the counter
-//      serializes, 10-30 us per launch); TOPK_APPEND=1: block-wide scan compaction, one atomic
-//      per CTA per tile.
-//   3. leader: radix refinement of the candidates over C, 11-bit digits from the highest bit
-//      where candidates differ, until the k-th composite is pinned; ties at equal score are
-//      resolved by the index bits of C (lower index wins), exactly.
-//   4. leader: bitonic sort of the k selected composites (descending) in smem, register/shuffle
-//      stages for strides < 64; scores rebuilt from key32 (+-0.0 re-read for the exact sign);
-//      map through block_table; write.
+//   1. pass A: each CTA of the cluster histograms its contiguous slice of the row into 2048 bins
+//      of a monotone bucket (top 11 bits of the order-preserving fp16 code: 32 bins per octave);
+//      with TOPK_RES the slice is one register tile (host-checked) and stays in registers for
+//      pass B; the histograms are summed through DSMEM; a block scan finds the bin b0 that holds
+//      the k-th best.
+//   2. pass B (registers, or a re-read that mostly hits L1/L2): elements with bucket > b0
+//      ("winners") are appended to the CTA's own shared buffer, elements of bin b0 to its
+//      candidate buffer (if the bin fits TOPK_CAP; else the leader re-reads the row), with the
+//      AND/OR of their keys; warp-aggregated shared atomics on the CTA's own counters. Other CTAs
+//      of the cluster then reserve a range of the leader's buffers (one DSMEM atomic per CTA and
+//      stream, one for the AND / OR) and copy their entries there.
+//   3. leader, threshold inside b0: if n_cand^2 <= TOPK_RANKW * threads, every candidate counts the
+//      candidates above it (its rank; G threads per candidate): rank < need -> selected, and the
+//      rank is its place in the sorted output. Else radix refinement over C, 11-bit digits from
+//      the highest bit where candidates differ, until the k-th composite is pinned. Ties at equal
+//      score are resolved by the index bits of C (lower index wins), exactly.
+//   4. leader, sorted output: a counting sort of the k selected composites over 2048 sub-buckets
+//      of their range [C_min, C_max] (top 11 bits of C - C_min: monotone, and spread by the index
+//      bits when scores tie), then every entry counts the larger composites of its own sub-bucket
+//      (its rank inside it). No comparison network; ~8 barriers.
+//   5. scores rebuilt from key32 (+-0.0 re-read for the exact sign); map through block_table; write.
 // Memory: with TOPK_VEC=1 a CTA may read the rest of the aligned 16-byte chunk that holds a
 // row's first / last valid element (never crosses a 16 B boundary, so never faults); those
-// lanes are masked out. No other out-of-range access: lengths/starts are clamped on device.
+// lanes are masked out. No other out-of-range access: lengths/starts are clamped on device,
+// block_table entries are range-checked before use.
 // Barrier rule (seed 002): every loop that contains __syncthreads / cluster barriers / full-warp
 // votes has a block-uniform trip count; element predicates are data, never control flow around
 // a barrier.
 //
 // Macros: TOPK_SELECT (defined: also build topk_select_kernel, bottom of the file; needs TOPK_CLUSTER 1),
 // TOPK_THREADS (256/512/1024), TOPK_CLUSTER (1/2/4/8 CTAs per row), TOPK_CAP (candidate
-// buffer entries), TOPK_VEC (1: 16-byte loads, needs 16 B aligned rows; 0: scalar loads),
-// TOPK_APPEND (1: block-wide compaction, one atomic per CTA per tile; 0: warp-aggregated
-// atomics per slot -- simpler, but the shared counter serializes under load).
+// buffer entries, >= 2048), TOPK_VEC (1: 16-byte loads, needs 16 B aligned rows; 0: scalar loads),
+// TOPK_RES (1: every CTA's slice of the row is at most one tile of TOPK_THREADS * 16 positions).
 #include "common.cuh"
 
 #ifndef TOPK_THREADS
@@ -46,46 +52,47 @@
 #define TOPK_CLUSTER 1
 #endif
 #ifndef TOPK_CAP
-#define TOPK_CAP 8192
+#define TOPK_CAP 4096
 #endif
 #ifndef TOPK_VEC
 #define TOPK_VEC 1
 #endif
-#ifndef TOPK_APPEND
-#define TOPK_APPEND 0
+#ifndef TOPK_RES
+#define TOPK_RES 0
 #endif
 
 #define TOPK_KMAX 2048
 #define TOPK_NBINS 2048
 #define TOPK_NWARPS (TOPK_THREADS / 32)
 #define TOPK_BPT (TOPK_NBINS / TOPK_THREADS)
-#define TOPK_MINB ((TOPK_THREADS >= 1024) ? 1 : (1024 / TOPK_THREADS))
+// resident slices: one CTA per SM by design (the configs give one wave), so the register budget is
+// the whole file; else 2048 threads' worth per SM
+#define TOPK_MINB ((TOPK_RES || TOPK_THREADS >= 1024) ? 1 : (1024 / TOPK_THREADS))
 #define TOPK_UNROLL 4
+#define TOPK_TILE (TOPK_THREADS * TOPK_UNROLL)  // groups of 4 positions per tile
+#define TOPK_RANKW 256                          // rank refinement while n_cand^2 <= RANKW * threads
 #define FULL 0xFFFFFFFFu
 
 static_assert(TOPK_NBINS % TOPK_THREADS == 0, "bins per thread must be integral");
 static_assert(TOPK_NWARPS <= 32, "at most 32 warps");
+static_assert(TOPK_CAP >= TOPK_KMAX, "the candidate buffer doubles as the sort's scratch (k entries)");
 
 struct TopkSmem {
-  u64 sel[TOPK_KMAX];     // selected composites (leader)
-  u64 cand[TOPK_CAP];     // candidates of the threshold bin (leader)
-  u32 hist[TOPK_NBINS];   // histogram (each CTA)
+  u64 sel[TOPK_KMAX];     // the selected composites (leader); after the sort's scatter, the output order
+  u64 cand[TOPK_CAP];     // candidates of the threshold bin; then the bucket-grouped sort scratch
+  u32 hist[TOPK_NBINS];   // histogram (each CTA); radix digits / segment cursors (leader)
+  u32 seg[TOPK_NBINS];    // sort: per sub-bucket start in the output << 16 | count
   u32 scan[32];
-  u32 wa[32], wb[32];     // block_append2 warp offsets
   u32 n_sel, n_cand, and_hi, or_hi, total, res_above, res_cnt;  // and/or: of b0 keys
   int res_bin;
-  u32 gb_sel, gb_cand, last;  // topk_select_kernel: global slot bases, last-CTA flag
+  u32 gb_sel, gb_cand, last;  // remote reservation bases; topk_select_kernel's last-CTA flag
+  u64 cmin, cmax;             // sort: composite range of the selected entries
 };
-// host side reserves 8*KMAX + 8*CAP + 4*NBINS + 512 bytes
-static_assert(sizeof(TopkSmem) <= 8 * TOPK_KMAX + 8 * TOPK_CAP + 4 * TOPK_NBINS + 512, "smem layout");
+// host side reserves 8*KMAX + 8*CAP + 8*NBINS + 512 bytes
+static_assert(sizeof(TopkSmem) <= 8 * TOPK_KMAX + 8 * TOPK_CAP + 8 * TOPK_NBINS + 512, "smem layout");
 
 // ------------------------------------------------------------------------------------------
-// shared-memory address helpers; leader buffers are addressed in the shared::cluster window
-DSV4_DEVICE u32 smem_u32(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
+// shared-memory address helpers (smem_u32: common.cuh); leader buffers are addressed in the shared::cluster window
 DSV4_DEVICE u32 lanemask_lt() {
   u32 m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
@@ -138,18 +145,24 @@ DSV4_DEVICE void sp_or(u32 a, u32 v) {
 
 // ------------------------------------------------------------------------------------------
 // keys
-// fp32 bits -> (valid, key32, bucket). key32: order-preserving, -0.0 == +0.0; bucket: top 11
-// bits of the order-preserving fp16 code of the value (monotone non-decreasing in key32).
-DSV4_DEVICE void decode(u32 u, bool in_range, bool& valid, u32& key, u32& bucket) {
-  valid = in_range && ((u & 0x7FFFFFFFu) <= 0x7F800000u) && (u != 0xFF800000u);
-  u = (u == 0x80000000u) ? 0u : u;
-  key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+// bucket of canonical fp32 bits u (-0.0 already +0.0): top 11 bits of the order-preserving fp16
+// code of the value (monotone non-decreasing in key32).
+DSV4_DEVICE u32 bucket_of(u32 u) {
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(__uint_as_float(u)));
   u32 hh = h;
   hh = (hh & 0x8000u) ? (~hh & 0xFFFFu) : (hh | 0x8000u);
-  bucket = hh >> 5;
+  return hh >> 5;
 }
+// fp32 bits -> (valid, key32, bucket). key32: order-preserving, -0.0 == +0.0.
+DSV4_DEVICE void decode(u32 u, bool in_range, bool& valid, u32& key, u32& bucket) {
+  valid = in_range && ((u & 0x7FFFFFFFu) <= 0x7F800000u) && (u != 0xFF800000u);
+  u = (u == 0x80000000u) ? 0u : u;
+  key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  bucket = bucket_of(u);
+}
+// inverse of key32 (canonical fp32 bits)
+DSV4_DEVICE u32 key_bits(u32 key) { return (key & 0x80000000u) ? (key ^ 0x80000000u) : ~key; }
 
 // one group of 4 consecutive positions 4g..4g+3 (all-NaN bits when the group is not ours)
 DSV4_DEVICE void load_group(const float* __restrict__ rowp, int g, bool mine, int lo, int hi, u32 w[4]) {
@@ -169,56 +182,37 @@ DSV4_DEVICE void load_group(const float* __restrict__ rowp, int g, bool mine, in
 #endif
 }
 
-// Visit groups [glo, ghi) of the row, TOPK_UNROLL groups per thread in flight. f(key, pos,
-// bucket, valid) is called for every slot by every thread (block-uniform trip count), so f may
-// use full-warp votes.
+// A tile: TOPK_UNROLL groups per thread, groups g0 + u * THREADS + tid.
+DSV4_DEVICE void tile_load(const float* __restrict__ rowp, int g0, int ghi, int lo, int hi, u32 (&w)[TOPK_UNROLL][4]) {
+#pragma unroll
+  for (int u = 0; u < TOPK_UNROLL; ++u) {
+    const int g = g0 + u * TOPK_THREADS + (int)threadIdx.x;
+    load_group(rowp, g, g < ghi, lo, hi, w[u]);
+  }
+}
+// f(key, pos, bucket, valid) for every slot of the tile, by every thread (so f may use full-warp votes)
 template <typename F>
-DSV4_DEVICE void scan_groups(const float* __restrict__ rowp, int glo, int ghi, int lo, int hi, F&& f) {
-  const int tid = threadIdx.x;
-  for (int g0 = glo; g0 < ghi; g0 += TOPK_THREADS * TOPK_UNROLL) {
-    u32 w[TOPK_UNROLL][4];
+DSV4_DEVICE void tile_visit(const u32 (&w)[TOPK_UNROLL][4], int g0, int ghi, int lo, int hi, F&& f) {
 #pragma unroll
-    for (int u = 0; u < TOPK_UNROLL; ++u) {
-      const int g = g0 + u * TOPK_THREADS + tid;
-      load_group(rowp, g, g < ghi, lo, hi, w[u]);
-    }
+  for (int u = 0; u < TOPK_UNROLL; ++u) {
+    const int g = g0 + u * TOPK_THREADS + (int)threadIdx.x;
 #pragma unroll
-    for (int u = 0; u < TOPK_UNROLL; ++u) {
-      const int g = g0 + u * TOPK_THREADS + tid;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int p = 4 * g + j;
-        bool valid;
-        u32 key, bucket;
-        decode(w[u][j], g < ghi && p >= lo && p < hi, valid, key, bucket);
-        f(key, p, bucket, valid);
-      }
+    for (int j = 0; j < 4; ++j) {
+      const int p = 4 * g + j;
+      bool valid;
+      u32 key, bucket;
+      decode(w[u][j], g < ghi && p >= lo && p < hi, valid, key, bucket);
+      f(key, p, bucket, valid);
     }
   }
 }
-
-template <int N>
-struct IC { static constexpr int value = N; };
-
-// Like scan_groups, but hands the whole tile to body(get); get(s, key, pos, bucket, valid)
-// decodes slot s (0 <= s < 4*TOPK_UNROLL; use compile-time s so w stays in registers).
-template <int U, typename F>
-DSV4_DEVICE void scan_groups_blk(const float* __restrict__ rowp, int glo, int ghi, int lo, int hi, F&& body) {
-  const int tid = threadIdx.x;
-  for (int g0 = glo; g0 < ghi; g0 += TOPK_THREADS * U) {  // block-uniform
-    u32 w[U][4];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int g = g0 + u * TOPK_THREADS + tid;
-      load_group(rowp, g, g < ghi, lo, hi, w[u]);
-    }
-    auto get = [&](int s, u32& key, int& p, u32& bucket, bool& valid) {
-      const int u = s >> 2, j = s & 3;
-      const int g = g0 + u * TOPK_THREADS + tid;
-      p = 4 * g + j;
-      decode(w[u][j], g < ghi && p >= lo && p < hi, valid, key, bucket);
-    };
-    body(get);
+// Visit groups [glo, ghi) tile by tile (block-uniform trip count).
+template <typename F>
+DSV4_DEVICE void scan_groups(const float* __restrict__ rowp, int glo, int ghi, int lo, int hi, F&& f) {
+  for (int g0 = glo; g0 < ghi; g0 += TOPK_TILE) {
+    u32 w[TOPK_UNROLL][4];
+    tile_load(rowp, g0, ghi, lo, hi, w);
+    tile_visit(w, g0, ghi, lo, hi, f);
   }
 }
 
@@ -234,72 +228,19 @@ DSV4_DEVICE void hist_add(u32* hist, u32 bin, bool pred) {
   }
 }
 
-// append v to the buffer at (space address) buf, slot counter at cnt, capacity cap
-DSV4_DEVICE void append(u32 buf, u32 cnt, u64 v, bool pred, u32 cap) {
+// append v to this CTA's shared buffer buf (counter cnt, capacity cap): one atomic per warp
+DSV4_DEVICE void append(u64* buf, u32* cnt, u64 v, bool pred, u32 cap) {
   const u32 m = __ballot_sync(FULL, pred);
   if (m == 0u) return;
   const u32 lane = threadIdx.x & 31;
   const u32 src = __ffs(m) - 1;
   u32 base = 0;
-  if (lane == src) base = sp_add(cnt, __popc(m));
+  if (lane == src) base = atomicAdd(cnt, (u32)__popc(m));
   base = __shfl_sync(FULL, base, src);
   if (pred) {
     const u32 slot = base + __popc(m & lanemask_lt());
-    if (slot < cap) sp_st64(buf + 8u * slot, v);
+    if (slot < cap) buf[slot] = v;
   }
-}
-
-// Block-wide compaction into two streams without contended atomics. Every thread calls it
-// (contains barriers) with bitmasks fa / fb of its NS slots; val(s) gives slot s's value (only
-// called for flagged slots, compile-time s). One atomicAdd per CTA and stream reserves the
-// destination range [base, base + total) in the (possibly remote) buffer; inside, slots are
-// placed warp by warp, thread by thread (deterministic, though the sort makes order moot).
-template <int NS, typename V>
-DSV4_DEVICE void block_append2(TopkSmem& S, u32 fa, u32 fb, V&& val, u32 dstA, u32 cntA, u32 capA,
-                               u32 dstB, u32 cntB, u32 capB) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const u32 ca = __popc(fa), cb = __popc(fb);
-  u32 ia = ca, ib = cb;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const u32 ya = __shfl_up_sync(FULL, ia, o), yb = __shfl_up_sync(FULL, ib, o);
-    if (lane >= o) { ia += ya; ib += yb; }
-  }
-  if (lane == 31) { S.wa[warp] = ia; S.wb[warp] = ib; }
-  __syncthreads();
-  if (warp == 0) {
-    const u32 xa = (lane < TOPK_NWARPS) ? S.wa[lane] : 0u, xb = (lane < TOPK_NWARPS) ? S.wb[lane] : 0u;
-    u32 ja = xa, jb = xb;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const u32 ya = __shfl_up_sync(FULL, ja, o), yb = __shfl_up_sync(FULL, jb, o);
-      if (lane >= o) { ja += ya; jb += yb; }
-    }
-    const u32 ta = __shfl_sync(FULL, ja, 31), tb = __shfl_sync(FULL, jb, 31);
-    u32 ba = 0u, bb = 0u;
-    if (lane == 0) {
-      if (ta) ba = sp_add(cntA, ta);
-      if (tb) bb = sp_add(cntB, tb);
-    }
-    ba = __shfl_sync(FULL, ba, 0);
-    bb = __shfl_sync(FULL, bb, 0);
-    if (lane < TOPK_NWARPS) { S.wa[lane] = ba + ja - xa; S.wb[lane] = bb + jb - xb; }
-  }
-  __syncthreads();
-  u32 oa = S.wa[warp] + ia - ca, ob = S.wb[warp] + ib - cb;
-  if (fa | fb) {  // per thread; no collectives below
-#pragma unroll
-    for (int s = 0; s < NS; ++s) {
-      const bool a = (fa >> s) & 1u, b = (fb >> s) & 1u;
-      if (a || b) {
-        const u64 v = val(s);
-        if (a) { if (oa < capA) sp_st64(dstA + 8u * oa, v); ++oa; }
-        if (b) { if (ob < capB) sp_st64(dstB + 8u * ob, v); ++ob; }
-      }
-    }
-  }
-  // no trailing barrier: S.wa[warp] is re-written only by this warp, and warp 0 reads the
-  // array again only after the next call's first barrier.
 }
 
 DSV4_DEVICE u64 shfl_xor64(u64 v, int m) {
@@ -311,8 +252,10 @@ DSV4_DEVICE u64 shfl_xor64(u64 v, int m) {
 // ------------------------------------------------------------------------------------------
 // Block-wide: c[j] = count of bin (NBINS-1 - (tid*BPT + j)) (bins visited from the top).
 // Finds the bin d with above(d) < need <= above(d) + count(d); S.res_bin = -1 if the total is
-// < need. Results in S.res_*, S.total. Contains barriers: call from block-uniform code.
-DSV4_DEVICE void select_bin(TopkSmem& S, const u32 (&c)[TOPK_BPT], u32 need) {
+// < need. Results in S.res_*, S.total. With seg: seg[bin] = (entries in higher bins) << 16 |
+// count, both clamped to 16 bits (exact for every bin >= d: they hold < need <= 2048 entries).
+// Contains barriers: call from block-uniform code.
+DSV4_DEVICE void select_bin(TopkSmem& S, const u32 (&c)[TOPK_BPT], u32 need, u32* seg) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   u32 sum = 0;
 #pragma unroll
@@ -348,6 +291,7 @@ DSV4_DEVICE void select_bin(TopkSmem& S, const u32 (&c)[TOPK_BPT], u32 need) {
       S.res_above = acc;
       S.res_cnt = c[j];
     }
+    if (seg) seg[TOPK_NBINS - 1 - (tid * TOPK_BPT + j)] = (min(acc, 0xFFFFu) << 16) | min(c[j], 0xFFFFu);
     acc += c[j];
   }
   __syncthreads();
@@ -359,193 +303,135 @@ DSV4_DEVICE void load_local_bins(const TopkSmem& S, u32 (&c)[TOPK_BPT]) {
 }
 
 // ------------------------------------------------------------------------------------------
-// bitonic sort (descending) of s[0, P), P a power of two >= 64; strides < 64 in registers.
-DSV4_DEVICE void bitonic_regs(u64* s, int size_from, int size_to, int P) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int c = warp; c < P / 64; c += TOPK_NWARPS) {  // warp-uniform
-    const int p0 = c * 64 + lane, p1 = p0 + 32;
-    u64 x0 = s[p0], x1 = s[p1];
-    for (int size = size_from; size <= size_to; size <<= 1) {
-      for (int st = (size >> 1) < 32 ? (size >> 1) : 32; st > 0; st >>= 1) {
-        if (st == 32) {
-          const bool desc = (p0 & size) == 0;
-          const u64 mx = x0 > x1 ? x0 : x1, mn = x0 > x1 ? x1 : x0;
-          x0 = desc ? mx : mn;
-          x1 = desc ? mn : mx;
-        } else {
-          const u64 y0 = shfl_xor64(x0, st), y1 = shfl_xor64(x1, st);
-          const bool lower = (lane & st) == 0;
-          const bool d0 = (p0 & size) == 0, d1 = (p1 & size) == 0;
-          x0 = (lower == d0) ? (x0 > y0 ? x0 : y0) : (x0 > y0 ? y0 : x0);
-          x1 = (lower == d1) ? (x1 > y1 ? x1 : y1) : (x1 > y1 ? y1 : x1);
-        }
-      }
-    }
-    s[p0] = x0;
-    s[p1] = x1;
-  }
-}
-
-DSV4_DEVICE void bitonic_sort_desc(u64* s, int P) {
-  bitonic_regs(s, 2, P < 64 ? P : 64, P);
-  __syncthreads();
-  for (int size = 128; size <= P; size <<= 1) {  // block-uniform
-    for (int st = size >> 1; st >= 64; st >>= 1) {
-      for (int i = threadIdx.x; i < P / 2; i += TOPK_THREADS) {  // no barrier inside
-        const int pos = 2 * i - (i & (st - 1));
-        const int q = pos + st;
-        const u64 a = s[pos], b = s[q];
-        const bool desc = (pos & size) == 0;
-        if ((a < b) == desc) {
-          s[pos] = b;
-          s[q] = a;
-        }
-      }
-      __syncthreads();
-    }
-    bitonic_regs(s, size, size, P);
-    __syncthreads();
-  }
-}
-
-// ------------------------------------------------------------------------------------------
-// Leader of a row: S.sel holds the sure winners (S.n_sel of them), S.cand the candidates of bin b0
-// (S.n_cand, if store_cand), S.and_hi / S.or_hi the AND / OR of the b0 keys. Refines the threshold
-// inside b0 (radix select over the composite key), sorts the k selected composites and writes the
-// row. Block-uniform control flow (contains barriers); shared by topk_kernel and
-// topk_select_kernel.
+// Leader of a row: S.sel holds the winners (bucket > b0; S.n_sel of them), S.cand the candidates
+// of bin b0 (S.n_cand, if store_cand), S.and_hi / S.or_hi the AND / OR of the b0 keys. Pins the
+// threshold inside b0 (the selected b0 entries join S.sel), orders the selected composites
+// (sorted) and writes the row. S.cmin / S.cmax must be ~0 / 0 on entry. Block-uniform control flow (contains barriers); shared by
+// topk_kernel and topk_select_kernel.
 DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row, int lo, int hi, int b0,
-                            u32 above0, bool all_b0, bool store_cand, i32 k, const i32* __restrict__ block_table,
-                            i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt, i32* __restrict__ out_idx,
-                            float* __restrict__ out_score) {
+                            u32 above0, bool all_b0, bool store_cand, i32 k, i32 sorted,
+                            const i32* __restrict__ block_table, i64 bt_stride, i32 block_size, i32 rows_per_seq,
+                            i32 has_bt, i32 num_blocks, i32* __restrict__ out_idx, float* __restrict__ out_score) {
   const int tid = threadIdx.x;
   const u32 kk0 = (u32)k;
   const int g_lo = lo >> 2, g_hi = (hi + 3) >> 2;
-  u32 c[TOPK_BPT];
-  // ---- leader: refine the threshold inside bin b0 (radix select over the composite key)
+  u32 n_placed = 0;  // b0 entries written to S.sel[above0, above0 + n_placed) by the rank path
   if (!all_b0) {
-    // candidates agree on every composite bit >= hib: key bits above the highest differing
-    // key bit; if all keys are equal (ties), the index part has < 32 - clz(hi - 1 - lo) bits.
-    const u32 kdiff = S.and_hi ^ S.or_hi;
-    int hib = kdiff ? 64 - __clz((int)kdiff) : 32 - __clz((int)(hi - 1 - lo));
-    u64 prefix = (hib >= 64) ? 0ull : ((((u64)S.and_hi) << 32) & (~0ull << hib));
-    u32 need = kk0 - above0;
+    const u32 need0 = kk0 - above0;
     const int n_c = store_cand ? (int)min(S.n_cand, (u32)TOPK_CAP) : 0;
-    const u32 L_sel_local = smem_u32(S.sel), L_nsel_local = smem_u32(&S.n_sel);
-#if TOPK_APPEND
-    // visit candidates tile by tile: body(IC<NS>, get), get(s, comp, pred); block-uniform trips
-    auto visit = [&](auto&& body) {
-      if (store_cand) {
-        for (int base = 0; base < n_c; base += TOPK_THREADS) {
-          const int i = base + tid;
-          const bool pr = i < n_c;
-          const u64 cv = pr ? S.cand[i] : 0ull;
-          body(IC<1>{}, [&](int, u64& c, bool& q) { c = cv; q = pr; });
-        }
-      } else {  // bin b0 overflowed the buffer: re-read the whole row, keep bucket == b0
-        scan_groups_blk<2>(rowp, g_lo, g_hi, lo, hi, [&](auto&& get) {  // unroll 2: register budget
-          body(IC<8>{}, [&](int s, u64& c, bool& q) {
-            u32 key, bucket;
-            int p;
-            bool valid;
-            get(s, key, p, bucket, valid);
-            c = ((u64)key << 32) | (u32)(hi - 1 - p);
-            q = valid && (int)bucket == b0;
+    if (store_cand && (u32)n_c * (u32)n_c <= (u32)(TOPK_RANKW * TOPK_THREADS)) {
+      // ---- rank path: rank(i) = #{j : cand[j] > cand[i]}; G threads (a power of two) per candidate
+      int G = 1;
+      while (G < 32 && 2 * G * n_c <= TOPK_THREADS) G <<= 1;
+      for (int base = 0; base < n_c * G; base += TOPK_THREADS) {  // block-uniform
+        const int t = base + tid, i = t / G, part = t & (G - 1);
+        const u64 ci = (i < n_c) ? S.cand[i] : 0ull;
+        u32 cnt = 0;
+        if (i < n_c)
+          for (int j = part; j < n_c; j += G) cnt += (S.cand[j] > ci) ? 1u : 0u;
+        for (int o = G >> 1; o > 0; o >>= 1) cnt += __shfl_xor_sync(FULL, cnt, o);  // G is block-uniform
+        if (i < n_c && part == 0 && cnt < need0) S.sel[above0 + cnt] = ci;  // winners: exactly above0
+      }
+      n_placed = need0;
+    } else {
+      // ---- radix path: 11-bit digits of C from the highest bit where the candidates differ
+      // candidates agree on every composite bit >= hib: key bits above the highest differing
+      // key bit; if all keys are equal (ties), the index part has < 32 - clz(hi - 1 - lo) bits.
+      u32 c[TOPK_BPT];
+      const u32 kdiff = S.and_hi ^ S.or_hi;
+      int hib = kdiff ? 64 - __clz((int)kdiff) : 32 - __clz((int)(hi - 1 - lo));
+      u64 prefix = (hib >= 64) ? 0ull : ((((u64)S.and_hi) << 32) & (~0ull << hib));
+      u32 need = need0;
+      // visit every candidate: f(comp, pred), block-uniform trip count
+      auto for_each_cand = [&](auto&& f) {
+        if (store_cand) {
+          for (int base = 0; base < n_c; base += TOPK_THREADS) {
+            const int i = base + tid;
+            const bool pr = i < n_c;
+            f(pr ? S.cand[i] : 0ull, pr);
+          }
+        } else {  // bin b0 overflowed the buffer: re-read the whole row, keep bucket == b0
+          scan_groups(rowp, g_lo, g_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
+            f(((u64)key << 32) | (u32)(hi - 1 - p), valid && (int)bucket == b0);
           });
-        });
-      }
-    };
-    for (int it = 0; it < 8; ++it) {  // block-uniform; terminates: composites are unique
-      const int sh = hib > 11 ? hib - 11 : 0;
-      const u32 dmask = (1u << (hib - sh)) - 1u;
-      const u64 pmask = (hib >= 64) ? 0ull : (~0ull << hib);
-      for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
-      __syncthreads();
-      visit([&](auto ns, auto&& get) {
-        constexpr int NS = decltype(ns)::value;
-#pragma unroll
-        for (int s = 0; s < NS; ++s) {
-          u64 cv;
-          bool pr;
-          get(s, cv, pr);
-          hist_add(S.hist, (u32)(cv >> sh) & dmask, pr && ((cv ^ prefix) & pmask) == 0ull);
         }
-      });
-      __syncthreads();
-      load_local_bins(S, c);
-      select_bin(S, c, need);
-      const u32 d = (u32)S.res_bin, ab = S.res_above, cn = S.res_cnt;
-      const bool fin = (cn == need - ab);
-      visit([&](auto ns, auto&& get) {
-        constexpr int NS = decltype(ns)::value;
-        u32 fa = 0u;
-#pragma unroll
-        for (int s = 0; s < NS; ++s) {
-          u64 cv;
-          bool pr;
-          get(s, cv, pr);
+      };
+      for (int it = 0; it < 8; ++it) {  // block-uniform; terminates: composites are unique
+        const int sh = hib > 11 ? hib - 11 : 0;
+        const u32 dmask = (1u << (hib - sh)) - 1u;
+        const u64 pmask = (hib >= 64) ? 0ull : (~0ull << hib);
+        for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
+        __syncthreads();
+        for_each_cand([&](u64 cv, bool pr) {
+          const bool m = pr && ((cv ^ prefix) & pmask) == 0ull;
+          hist_add(S.hist, (u32)(cv >> sh) & dmask, m);
+        });
+        __syncthreads();
+        load_local_bins(S, c);
+        select_bin(S, c, need, nullptr);
+        const u32 d = (u32)S.res_bin, ab = S.res_above, cn = S.res_cnt;
+        const bool fin = (cn == need - ab);
+        for_each_cand([&](u64 cv, bool pr) {
+          const bool m = pr && ((cv ^ prefix) & pmask) == 0ull;
           const u32 dg = (u32)(cv >> sh) & dmask;
-          if (pr && ((cv ^ prefix) & pmask) == 0ull && (dg > d || (fin && dg == d))) fa |= 1u << s;
-        }
-        block_append2<NS>(S, fa, 0u, [&](int s) {
-          u64 cv;
-          bool pr;
-          get(s, cv, pr);
-          return cv;
-        }, L_sel_local, L_nsel_local, TOPK_KMAX, 0u, 0u, 0u);
-      });
-#else
-    // visit every candidate: f(comp, pred), block-uniform trip count
-    auto for_each_cand = [&](auto&& f) {
-      if (store_cand) {
-        for (int base = 0; base < n_c; base += TOPK_THREADS) {
-          const int i = base + tid;
-          const bool pr = i < n_c;
-          f(pr ? S.cand[i] : 0ull, pr);
-        }
-      } else {  // bin b0 overflowed the buffer: re-read the whole row, keep bucket == b0
-        scan_groups(rowp, g_lo, g_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
-          f(((u64)key << 32) | (u32)(hi - 1 - p), valid && (int)bucket == b0);
+          append(S.sel, &S.n_sel, cv, m && (dg > d || (fin && dg == d)), TOPK_KMAX);
         });
+        need -= ab;
+        prefix |= (u64)d << sh;
+        hib = sh;
+        __syncthreads();
+        if (fin) break;
       }
-    };
-    for (int it = 0; it < 8; ++it) {  // block-uniform; terminates: composites are unique
-      const int sh = hib > 11 ? hib - 11 : 0;
-      const u32 dmask = (1u << (hib - sh)) - 1u;
-      const u64 pmask = (hib >= 64) ? 0ull : (~0ull << hib);
-      for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
-      __syncthreads();
-      for_each_cand([&](u64 cv, bool pr) {
-        const bool m = pr && ((cv ^ prefix) & pmask) == 0ull;
-        hist_add(S.hist, (u32)(cv >> sh) & dmask, m);
-      });
-      __syncthreads();
-      load_local_bins(S, c);
-      select_bin(S, c, need);
-      const u32 d = (u32)S.res_bin, ab = S.res_above, cn = S.res_cnt;
-      const bool fin = (cn == need - ab);
-      for_each_cand([&](u64 cv, bool pr) {
-        const bool m = pr && ((cv ^ prefix) & pmask) == 0ull;
-        const u32 dg = (u32)(cv >> sh) & dmask;
-        append(L_sel_local, L_nsel_local, cv, m && (dg > d || (fin && dg == d)), TOPK_KMAX);
-      });
-#endif
-      need -= ab;
-      prefix |= (u64)d << sh;
-      hib = sh;
-      __syncthreads();
-      if (fin) break;
     }
   }
   __syncthreads();
+  const u32 n_tot = min(S.n_sel + n_placed, kk0);  // the selected composites: S.sel[0, n_tot)
 
-  // ---- sort the selected composites (descending) and write
-  const int n_sel = (int)min(S.n_sel, kk0);
-  int P = 64;
-  while (P < k) P <<= 1;
-  for (int i = n_sel + tid; i < P; i += TOPK_THREADS) S.sel[i] = 0ull;  // 0 < any valid composite
-  __syncthreads();
-  bitonic_sort_desc(S.sel, P);
+  // ---- sorted: counting sort over 2048 sub-buckets of the composite range (monotone), then every
+  // entry counts the larger composites of its own sub-bucket (its rank inside it)
+  const bool do_sort = sorted && n_tot > 1u;
+  if (do_sort) {  // block-uniform
+    u64 mn = ~0ull, mx = 0ull;
+    for (u32 i = tid; i < n_tot; i += TOPK_THREADS) {
+      const u64 cv = S.sel[i];
+      mn = cv < mn ? cv : mn;
+      mx = cv > mx ? cv : mx;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const u64 a = shfl_xor64(mn, o), b = shfl_xor64(mx, o);
+      mn = a < mn ? a : mn;
+      mx = b > mx ? b : mx;
+    }
+    if ((tid & 31) == 0) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&S.cmin), (unsigned long long)mn);
+      atomicMax(reinterpret_cast<unsigned long long*>(&S.cmax), (unsigned long long)mx);
+    }
+    for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
+    __syncthreads();
+    const u64 base = S.cmin, span = S.cmax - S.cmin;
+    const int sh = (span >> 11) ? 64 - __clzll((long long)span) - 11 : 0;  // span >> sh < 2048
+    for (u32 i = tid; i < n_tot; i += TOPK_THREADS) atomicAdd(&S.hist[(u32)((S.sel[i] - base) >> sh)], 1u);
+    __syncthreads();
+    u32 c[TOPK_BPT];
+    load_local_bins(S, c);
+    select_bin(S, c, n_tot, S.seg);  // seg[b] = (entries in higher sub-buckets) << 16 | count
+    for (u32 i = tid; i < n_tot; i += TOPK_THREADS) {
+      const u64 cv = S.sel[i];
+      const u32 slot = atomicAdd(&S.seg[(u32)((cv - base) >> sh)], 0x10000u) >> 16;
+      if (slot < (u32)TOPK_KMAX) S.cand[slot] = cv;
+    }
+    __syncthreads();  // S.sel is free from here: it receives the output order
+    for (u32 i = tid; i < n_tot; i += TOPK_THREADS) {
+      const u64 cv = S.cand[i];
+      const u32 sg = S.seg[(u32)((cv - base) >> sh)];  // now (start + count) << 16 | count
+      const u32 en = min(sg >> 16, (u32)TOPK_KMAX), st = (sg >> 16) - (sg & 0xFFFFu);
+      u32 r = 0;
+      for (u32 j = st; j < en; ++j) r += (S.cand[j] > cv) ? 1u : 0u;
+      if (st + r < (u32)TOPK_KMAX) S.sel[st + r] = cv;
+    }
+    __syncthreads();
+  }
 
   i32* __restrict__ oi = out_idx + row * (i64)k;
   float* __restrict__ os = out_score + row * (i64)k;
@@ -553,16 +439,17 @@ DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row
   for (int j = tid; j < k; j += TOPK_THREADS) {
     i32 idx = -1;
     float sc = __uint_as_float(0xFF800000u);
-    if (j < n_sel) {
+    if ((u32)j < n_tot) {
       const u64 cv = S.sel[j];
       const int p = hi - 1 - (int)(u32)cv;
-      const u32 key = (u32)(cv >> 32);
-      const u32 u = (key & 0x80000000u) ? (key ^ 0x80000000u) : ~key;  // inverse of key32
-      sc = (u == 0u) ? __ldg(rowp + p) : __uint_as_float(u);           // +-0.0: exact bits from memory
+      const u32 u = key_bits((u32)(cv >> 32));
+      sc = (u == 0u) ? __ldg(rowp + p) : __uint_as_float(u);  // +-0.0: exact bits from memory
       idx = p;
       if (has_bt) {
         const int blk = p / block_size;
-        idx = __ldg(bt + blk) * block_size + (p - blk * block_size);
+        const i32 e = __ldg(bt + blk);
+        const i64 v = (i64)e * block_size + (p - blk * block_size);
+        idx = (e >= 0 && e < num_blocks && v <= 0x7FFFFFFFll) ? (i32)v : -1;  // bad entry: -1
       }
     }
     oi[j] = idx;
@@ -578,7 +465,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
     i32 has_starts,
     const i32* __restrict__ block_table,   // [B, max_blocks] or unused
     i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt,
+    i32 num_blocks,                        // block_table entries outside [0, num_blocks) map to -1
     i32 k,                                 // 1..2048
+    i32 sorted,                            // 0: the same set, unspecified order
     i32 rows,
     i32* __restrict__ out_idx,             // [rows, k]
     float* __restrict__ out_score) {       // [rows, k]
@@ -607,16 +496,26 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
     S.n_sel = 0u; S.n_cand = 0u;
     S.and_hi = 0xFFFFFFFFu;
     S.or_hi = 0u;
+    S.cmin = ~0ull;
+    S.cmax = 0ull;
   }
+#if TOPK_RES
+  u32 w[TOPK_UNROLL][4];  // the whole slice (host guarantees my_hi - my_lo <= TOPK_TILE)
+  tile_load(rowp, my_lo, my_hi, lo, hi, w);
+#endif
   __syncthreads();
 
   // ---- pass A: bucket histogram of this slice
+#if TOPK_RES
+  tile_visit(w, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid) { hist_add(S.hist, bucket, valid); });
+#else
   scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid) {
     hist_add(S.hist, bucket, valid);
   });
+#endif
   cl_sync();  // histograms complete (and leader counters initialized) cluster-wide
 
-  // ---- merged histogram -> bin b0 of the k-th best
+  // ---- merged histogram -> bin b0 of the k-th best, output segments of the bins above it
   u32 c[TOPK_BPT];
   {
     const u32 hbase = smem_u32(S.hist);
@@ -629,67 +528,61 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
       c[j] = s;
     }
   }
-  select_bin(S, c, kk0);
+  select_bin(S, c, kk0, nullptr);
   const int b0 = S.res_bin;          // -1: fewer than k selectable -> take all
   const u32 above0 = S.res_above, cnt0 = S.res_cnt;
   const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
   const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
 
-  // ---- pass B: append the sure winners and the b0 candidates to the leader
-  const u32 L_sel = cl_map(smem_u32(S.sel), 0), L_cand = cl_map(smem_u32(S.cand), 0);
-  const u32 L_nsel = cl_map(smem_u32(&S.n_sel), 0), L_ncand = cl_map(smem_u32(&S.n_cand), 0);
+  // ---- pass B: winners and b0 candidates into this CTA's buffers
   u32 a_and = 0xFFFFFFFFu, a_or = 0u;  // AND / OR of the b0 candidates' key32
-#if TOPK_APPEND
-  scan_groups_blk<TOPK_UNROLL>(rowp, my_lo, my_hi, lo, hi, [&](auto&& get) {
-    u32 fa = 0u, fb = 0u;
-#pragma unroll
-    for (int s = 0; s < 4 * TOPK_UNROLL; ++s) {
-      u32 key, bucket;
-      int p;
-      bool valid;
-      get(s, key, p, bucket, valid);
-      const int bk = (int)bucket;
-      if (valid && (bk > b0 || (all_b0 && bk == b0))) fa |= 1u << s;
-      if (valid && !all_b0 && bk == b0) {
-        a_and &= key;
-        a_or |= key;
-        if (store_cand) fb |= 1u << s;
-      }
-    }
-    block_append2<4 * TOPK_UNROLL>(S, fa, fb, [&](int s) {
-      u32 key, bucket;
-      int p;
-      bool valid;
-      get(s, key, p, bucket, valid);
-      return ((u64)key << 32) | (u32)(hi - 1 - p);
-    }, L_sel, L_nsel, TOPK_KMAX, L_cand, L_ncand, TOPK_CAP);
-  });
-#else
-  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
+  auto pass_b = [&](u32 key, int p, u32 bucket, bool valid) {
     const int bk = (int)bucket;
     const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
     const bool to_cand = valid && !all_b0 && bk == b0;
     if (!__any_sync(FULL, to_sel || to_cand)) return;  // common case: nothing here
     const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
-    append(L_sel, L_nsel, comp, to_sel, TOPK_KMAX);
-    if (store_cand) append(L_cand, L_ncand, comp, to_cand, TOPK_CAP);
+    append(S.sel, &S.n_sel, comp, to_sel, TOPK_KMAX);
+    if (store_cand) append(S.cand, &S.n_cand, comp, to_cand, TOPK_CAP);
     if (to_cand) {
       a_and &= key;
       a_or |= key;
     }
-  });
+  };
+#if TOPK_RES
+  tile_visit(w, my_lo, my_hi, lo, hi, pass_b);
+#else
+  scan_groups(rowp, my_lo, my_hi, lo, hi, pass_b);
 #endif
-  if (!all_b0) {  // block-uniform
+  if (!all_b0) {  // block-uniform; per warp into this CTA's words (shared atomics)
     const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
-    if (lane == 0) {
-      sp_and(cl_map(smem_u32(&S.and_hi), 0), ah);
-      sp_or(cl_map(smem_u32(&S.or_hi), 0), oh);
-    }
+    if (lane == 0 && ah != 0xFFFFFFFFu) atomicAnd(&S.and_hi, ah);
+    if (lane == 0 && oh != 0u) atomicOr(&S.or_hi, oh);
   }
-  cl_sync();  // all appends visible at the leader; nobody reads a peer's smem after this
+#if TOPK_CLUSTER > 1
+  __syncthreads();  // this CTA's appends and AND / OR are complete
+  if (rank != 0) {  // copy them into ranges of the leader's buffers (one DSMEM atomic per word)
+    const u32 ns = min(S.n_sel, (u32)TOPK_KMAX), nc = store_cand ? min(S.n_cand, (u32)TOPK_CAP) : 0u;
+    if (tid == 0) {
+      S.gb_sel = ns ? sp_add(cl_map(smem_u32(&S.n_sel), 0), ns) : 0u;
+      S.gb_cand = nc ? sp_add(cl_map(smem_u32(&S.n_cand), 0), nc) : 0u;
+      if (!all_b0 && S.and_hi != 0xFFFFFFFFu) sp_and(cl_map(smem_u32(&S.and_hi), 0), S.and_hi);
+      if (!all_b0 && S.or_hi != 0u) sp_or(cl_map(smem_u32(&S.or_hi), 0), S.or_hi);
+    }
+    __syncthreads();
+    const u32 L_sel = cl_map(smem_u32(S.sel), 0), L_cand = cl_map(smem_u32(S.cand), 0);
+    const u32 bs = S.gb_sel, bc = S.gb_cand;
+    for (u32 i = tid; i < ns; i += TOPK_THREADS)
+      if (bs + i < (u32)TOPK_KMAX) sp_st64(L_sel + 8u * (bs + i), S.sel[i]);
+    for (u32 i = tid; i < nc; i += TOPK_THREADS)
+      if (bc + i < (u32)TOPK_CAP) sp_st64(L_cand + 8u * (bc + i), S.cand[i]);
+  }
+#endif
+  cl_sync();  // all entries visible at the leader; nobody reads a peer's smem after this
   if (rank != 0) return;
-  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, block_table, bt_stride, block_size,
-             rows_per_seq, has_bt, out_idx, out_score);
+
+  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, sorted, block_table, bt_stride, block_size,
+             rows_per_seq, has_bt, num_blocks, out_idx, out_score);
 }
 
 
@@ -704,8 +597,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
 //     of the row's global buffers gsel [rows, KMAX] / gcand [rows, CAP], copied there coalesced.
 //   ticket: barrier, then thread 0: __threadfence + atomicAdd on ctl[row].ticket (+ fence); the last
 //     CTA of the row gathers the global buffers into its shared memory and runs finish_row (refine,
-//     sort, map, write). (Measured and dropped, job fused-02: sorting all candidates instead of
-//     refining, +1.1 us at k 512 / +7 us at k 1024; PDL launch, no gain.)
+//     order, map, write).
 // ctl [rows, 8] u32 = {n_sel, n_cand, and, or, ticket, -, -, -} must be ZERO on entry (the provider
 // zeroes hist and ctl with one memset, a graph node). The selected set is {C >= C_k} as in
 // topk_kernel: bitwise the same output for any `splits`.
@@ -714,7 +606,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
     const float* __restrict__ logits, i64 row_stride, i32 ncols,
     const i32* __restrict__ lengths,       // [rows] end of the valid range (clamped to [0, ncols])
     const i32* __restrict__ block_table, i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt,
-    i32 k, i32 rows, i32 splits,
+    i32 num_blocks, i32 k, i32 rows, i32 splits,
     const u32* __restrict__ hist,          // [rows, 2048]
     u32* __restrict__ ctl,                 // [rows, 8], zero on entry
     u64* __restrict__ gsel,                // [rows, KMAX] scratch
@@ -743,6 +635,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
     S.n_sel = 0u; S.n_cand = 0u;
     S.and_hi = 0xFFFFFFFFu;
     S.or_hi = 0u;
+    S.cmin = ~0ull;
+    S.cmax = 0ull;
   }
   u32 c[TOPK_BPT];
   {
@@ -750,15 +644,13 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
 #pragma unroll
     for (int j = 0; j < TOPK_BPT; ++j) c[j] = __ldcg(hrow + (TOPK_NBINS - 1 - (tid * TOPK_BPT + j)));
   }
-  select_bin(S, c, kk0);  // its barriers also publish the counters initialized above
+  select_bin(S, c, kk0, nullptr);  // its barriers also publish the counters initialized above
   const int b0 = S.res_bin;
   const u32 above0 = S.res_above, cnt0 = S.res_cnt;
   const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
   const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
 
   // ---- pass B on this slice, into this CTA's shared buffers
-  const u32 L_sel = smem_u32(S.sel), L_cand = smem_u32(S.cand);
-  const u32 L_nsel = smem_u32(&S.n_sel), L_ncand = smem_u32(&S.n_cand);
   u32 a_and = 0xFFFFFFFFu, a_or = 0u;
   scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
     const int bk = (int)bucket;
@@ -766,8 +658,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
     const bool to_cand = valid && !all_b0 && bk == b0;
     if (!__any_sync(FULL, to_sel || to_cand)) return;
     const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
-    append(L_sel, L_nsel, comp, to_sel, TOPK_KMAX);
-    if (store_cand) append(L_cand, L_ncand, comp, to_cand, TOPK_CAP);
+    append(S.sel, &S.n_sel, comp, to_sel, TOPK_KMAX);
+    if (store_cand) append(S.cand, &S.n_cand, comp, to_cand, TOPK_CAP);
     if (to_cand) {
       a_and &= key;
       a_or |= key;
@@ -809,7 +701,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
   __syncthreads();
   if (!S.last) return;  // block-uniform
 
-  // ---- last CTA of the row: gather every CTA's entries, then refine + sort + write
+  // ---- last CTA of the row: gather every CTA's entries, then refine + order + write
   const u32 ts = min(__ldcg(cr + 0), (u32)TOPK_KMAX);
   const u32 tc = store_cand ? min(__ldcg(cr + 1), (u32)TOPK_CAP) : 0u;
   const u32 and_g = ~__ldcg(cr + 2), or_g = __ldcg(cr + 3);
@@ -827,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
     S.or_hi = or_g;
   }
   __syncthreads();
-  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, block_table, bt_stride, block_size,
-             rows_per_seq, has_bt, out_idx, out_score);
+  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, 1, block_table, bt_stride, block_size,
+             rows_per_seq, has_bt, num_blocks, out_idx, out_score);
 }
 #endif

@@ -1,60 +1,102 @@
 """CUDA (NVRTC) provider for ``topk``: ``topk.cu``, one thread-block cluster per row, one launch.
 
-Radix select on order-preserving composite keys (score, -index) + smem bitonic sort; see the
-header of ``topk.cu``. Exact and deterministic for any launch configuration (cluster size,
-threads, vector width): the selected set {C >= C_k} depends only on the data.
+Radix select on order-preserving composite keys (score, -index), rank refinement of the threshold
+bucket, a counting sort over sub-buckets of the selected range for the sorted order; see the
+header of ``topk.cu``. Exact and
+deterministic for any launch configuration (cluster size, threads, register-resident slices,
+vector width): the selected set {C >= C_k} depends only on the data. ``sorted=False`` returns the
+same set in an unspecified order.
+
+Shape-adaptive, one op (:func:`default_config` returns a :class:`TopkConfig`): short rows: one CTA
+per row with the row in registers (``resident``: one global read); few or long rows: the smallest
+cluster (up to 8 CTAs per row, DSMEM histogram merge) whose slices fit one register tile; rows too
+long for that: 2-CTA clusters that stream the row twice (the second pass mostly hits L1/L2); more
+rows than SMs: one 512-thread CTA per row, two passes.
 
 ``topk_select_cuda`` (``topk_select_kernel``, built with ``TOPK_SELECT``) is the selection stage of
 the fused ``indexer_topk_paged`` (kernels_dsl/indexer.py ``DslTopkPagedFused``): the same selection
 from per-row bucket histograms that the decode logits kernel accumulated while writing the logits
 (no histogram pass), ``select_splits`` independent CTAs per row, the row's last CTA (atomic
-ticket) sorts and writes; bitwise the ``topk_kernel`` output on the same logits.
+ticket) orders and writes; bitwise the ``topk_kernel`` output on the same logits.
 
-Why no CuTe DSL provider: the kernel needs block-wide radix histograms with warp-aggregated
-shared-memory atomics, ballot/popc compaction into another CTA's shared memory
-(``mapa`` + ``atom.shared::cluster``), cluster-wide histogram reductions through DSMEM, and a
-data-dependent, block-uniform refinement loop with ``__reduce_and/or_sync``. CuTe DSL 4.8
-exposes none of these conveniently (no DSMEM atomics or warp-aggregated compaction helpers),
-so this op is raw CUDA C++ per the DSL-wall doctrine.
+Why CUDA and not the CuTe DSL (the wall, stated in :meth:`CudaTopk.supports_problem`): it is NOT a
+missing primitive -- CuTe DSL 4.8 has ballot / popc / shuffles / shared atomics (``cute.arch``) and
+inline PTX for ``mapa`` / ``atom.shared::cluster``. The kernel is warp-synchronous integer code with
+data-dependent, block-uniform loops and no TMA / WGMMA part for the DSL's layouts to help with, and
+``finish_row`` is shared with ``topk_select_kernel`` so that the fused ``indexer_topk_paged`` stays
+bitwise equal to this op. A DSL port is open work (issue 15 item 3), not a wall of the language.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dsv4.config import env_int
 from dsv4.registry import Support
 
 from ._provider import CudaProvider
 from .nvrtc import launch, load, set_max_dynamic_smem
 
-CAP = 8192          # candidate buffer entries (threshold bin); larger bins re-read the row
-#: Compaction scheme of the selected / candidate entries (``TOPK_APPEND`` in topk.cu):
-#: 0 = warp-aggregated atomics on one shared counter (validated on the H200, but the counter
-#: serializes: ~10-30 us per row batch); 1 = block-wide scan compaction, one atomic per CTA per
-#: tile (CPU-compiled, spill-free, logic emulated; NOT yet run on the GPU -> not the default until
-#: ``DSV4_TOPK_APPEND=1 pytest -m gpu tests/test_topk.py`` passes).
-APPEND = env_int("DSV4_TOPK_APPEND")  # read at import; 0 or 1 (dsv4/config.py)
+CAP = 4096          # candidate buffer entries (threshold bin); larger bins re-read the row
 KMAX = 2048
 NBINS = 2048
+UNROLL = 4          # groups of 4 positions per thread and tile (TOPK_UNROLL)
+INT32_MAX = 2 ** 31 - 1
 _smem_ready: set[int] = set()
 
 
 def smem_bytes(cap: int = CAP) -> int:
-    """Dynamic shared memory of ``topk_kernel`` (matches the static_assert in topk.cu)."""
-    return 8 * KMAX + 8 * cap + 4 * NBINS + 512
+    """Dynamic shared memory of ``topk_kernel`` / ``topk_select_kernel`` (the static_assert in topk.cu)."""
+    return 8 * KMAX + 8 * cap + 8 * NBINS + 512
 
 
-def default_config(rows: int, ncols: int, sm_count: int) -> tuple[int, int]:
-    """(cluster CTAs per row, threads per CTA): enough CTAs to fill the SMs, >= 4096 positions each.
+@dataclass(frozen=True)
+class TopkConfig:
+    """Launch configuration of ``topk_kernel``: ``cluster`` CTAs per row (1/2/4/8; 16 non-portable), ``threads`` per
+    CTA (256/512/1024), ``resident``: each CTA's slice fits one register tile (``threads * 16``
+    positions) and is read once, ``vec``: 16-byte loads (aligned rows)."""
+    cluster: int
+    threads: int
+    resident: bool
+    vec: bool = True
 
-    Measured on the H200 (bench/bench_topk.py, docs/benchmarks.md): [64, 65536] best at 2 x 1024,
-    [1, 129280] at 8 x 1024, [128, 8192] at 1 x 512.
-    """
+    def explain(self) -> str:
+        return (f"{self.cluster} CTA{'s' if self.cluster > 1 else ''}/row x {self.threads} threads, "
+                f"{'row slice in registers' if self.resident else 'two passes over the row'}"
+                f"{'' if self.vec else ', scalar loads'}")
+
+
+def fits_resident(ncols: int, cluster: int, threads: int) -> bool:
+    """Every CTA's slice of a row of ``ncols`` is at most one tile (``TOPK_RES`` precondition)."""
+    groups = -(-ncols // 4)
+    return -(-groups // cluster) <= threads * UNROLL
+
+
+def default_config(rows: int, ncols: int, sm_count: int) -> TopkConfig:
+    """The shape-adaptive choice, one wave of CTAs (rows * cluster <= SMs) where the batch allows:
+
+    * the smallest cluster (1..8 CTAs per row) whose slices fit one register tile of 1024 threads
+      (16384 positions): the row is read once; 512 threads up to 8192 positions per CTA;
+    * rows too long for that: the largest cluster with >= 2048 positions per CTA, 1024 threads,
+      two passes over the row (the second mostly from L1/L2);
+    * more rows than SMs: one CTA of 512 threads per row, two passes, 2 CTAs per SM.
+
+    Measured (job topk-01, H200, [32, 32768] k=512): 2 CTAs x 1024 threads resident 15.5 us vs 4 x 512
+    resident 27.0 and 4 x 1024 resident 24.7; timed side by side in bench/bench_topk.py."""
+    if rows > sm_count:   # more than one wave anyway: 1 CTA per row, 2 CTAs per SM (<= 64 registers)
+        return TopkConfig(1, 512, False)
+    cap = max(1, sm_count // max(rows, 1))
     cluster = 1
-    while cluster < 8 and rows * cluster * 2 <= sm_count and -(-ncols // (cluster * 2)) >= 4096:
+    while cluster < 8 and 2 * cluster <= cap and not fits_resident(ncols, cluster, 1024):
         cluster *= 2
-    return cluster, (1024 if cluster > 1 else 512)
+    if fits_resident(ncols, cluster, 1024):
+        threads = 512 if fits_resident(ncols, cluster, 512) else 1024
+        return TopkConfig(cluster, threads, True)
+    cluster = 1
+    while cluster < 8 and 2 * cluster <= cap and -(-ncols // (cluster * 2)) >= 2048:
+        cluster *= 2
+    return TopkConfig(cluster, 1024, False)
 
 
 def _outputs(rows: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,47 +105,75 @@ def _outputs(rows: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty((rows, k), dtype=torch.float32, device=dev))
 
 
+def _num_blocks(num_blocks) -> int:
+    return INT32_MAX if num_blocks is None else int(min(max(num_blocks, 0), INT32_MAX))
+
+
+def _allow_cluster_16(kernel) -> None:
+    """Clusters of 16 CTAs are "non-portable" on sm_90: the kernel must opt in."""
+    from cuda.bindings import driver
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    h = kernel.handle
+    if isinstance(h, driver.CUkernel):
+        from .nvrtc import _device
+        (err,) = driver.cuKernelSetAttribute(attr, 1, h, _device().device_id)
+    else:
+        (err,) = driver.cuFuncSetAttribute(h, attr, 1)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot allow clusters of 16 CTAs: {err}")
+
+
+def _kernel(mod, name: str, cluster: int = 1):
+    kern = mod.kernel(name)
+    if id(kern) not in _smem_ready:
+        set_max_dynamic_smem(kern, smem_bytes())
+        if cluster > 8:
+            _allow_cluster_16(kern)
+        _smem_ready.add(id(kern))
+    return kern
+
+
 def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, block_table=None,
-              block_size: int = 0, rows_per_seq: int = 1, *, cluster: int | None = None,
-              threads: int | None = None, vec: bool | None = None,
-              append: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              block_size: int = 0, rows_per_seq: int = 1, *, sorted: bool = True, num_blocks: int | None = None,
+              config: TopkConfig | None = None, cluster: int | None = None, threads: int | None = None,
+              resident: bool | None = None, vec: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``topk_kernel`` (arguments already validated by :func:`dsv4.ops.topk.topk`).
 
-    ``cluster`` (1/2/4/8), ``threads`` (256/512/1024) and ``vec`` override the launch
-    configuration (tests check bitwise equality across them; bench sweeps them).
+    ``config`` (or the single fields ``cluster`` 1/2/4/8, ``threads`` 256/512/1024, ``resident``,
+    ``vec``) overrides :func:`default_config` (tests check bitwise equality across them; bench sweeps
+    them). ``resident=True`` is refused when a slice does not fit one tile.
     """
     rows, ncols = logits.shape
     dev = logits.device
     out_idx, out_sc = _outputs(rows, k, dev)
     if rows == 0:
         return out_idx, out_sc
-    if cluster is None or threads is None:
+    if config is None:
         from dsv4.target import Target
-        c0, t0 = default_config(rows, ncols, Target.of(dev).sm_count or 132)
-        cluster = cluster or c0
-        threads = threads or t0
+        d = default_config(rows, ncols, Target.of(dev).sm_count or 132)
+        cl, th = cluster or d.cluster, threads or d.threads
+        res = (d.resident if (cl, th) == (d.cluster, d.threads) else fits_resident(ncols, cl, th)) \
+            if resident is None else bool(resident)
+        config = TopkConfig(cl, th, res, True)
     row_stride = logits.stride(0) if rows > 1 else ncols
-    if vec is None:
-        vec = logits.data_ptr() % 16 == 0 and (rows == 1 or row_stride % 4 == 0) and logits.stride(1) == 1
-    append = APPEND if append is None else int(append)
-    mod = load("topk.cu", TOPK_CLUSTER=cluster, TOPK_THREADS=threads, TOPK_CAP=CAP, TOPK_VEC=int(bool(vec)),
-               TOPK_APPEND=append)
-    kern = mod.kernel("topk_kernel")
-    nbytes = smem_bytes()
-    if id(kern) not in _smem_ready:
-        set_max_dynamic_smem(kern, nbytes)
-        _smem_ready.add(id(kern))
+    aligned = logits.data_ptr() % 16 == 0 and (rows == 1 or row_stride % 4 == 0) and logits.stride(1) == 1
+    use_vec = aligned if vec is None else bool(vec) and aligned
+    if config.resident and not fits_resident(ncols, config.cluster, config.threads):
+        raise ValueError(f"topk_cuda: resident config {config} does not fit rows of {ncols}")
+    mod = load("topk.cu", TOPK_CLUSTER=config.cluster, TOPK_THREADS=config.threads, TOPK_CAP=CAP,
+               TOPK_VEC=int(use_vec and config.vec), TOPK_RES=int(config.resident))
+    kern = _kernel(mod, "topk_kernel", config.cluster)
     has_st = starts is not None
     has_bt = block_table is not None
     bt_stride = block_table.stride(0) if has_bt and block_table.shape[0] > 1 else (block_table.shape[1] if has_bt else 0)
     # cuda.core: with `cluster`, LaunchConfig's grid counts CLUSTERS, not blocks -> grid = rows
-    launch(kern, rows, threads,
+    launch(kern, rows, config.threads,
            logits, np.int64(row_stride), np.int32(ncols),
            lengths, starts if has_st else lengths, np.int32(has_st),
            block_table if has_bt else lengths, np.int64(bt_stride), np.int32(block_size if has_bt else 1),
-           np.int32(rows_per_seq), np.int32(has_bt),
-           np.int32(k), np.int32(rows), out_idx, out_sc,
-           smem=nbytes, cluster=cluster if cluster > 1 else None)
+           np.int32(rows_per_seq), np.int32(has_bt), np.int32(_num_blocks(num_blocks)),
+           np.int32(k), np.int32(bool(sorted)), np.int32(rows), out_idx, out_sc,
+           smem=smem_bytes(), cluster=config.cluster if config.cluster > 1 else None)
     return out_idx, out_sc
 
 
@@ -132,7 +202,7 @@ def select_splits(rows: int, ncols: int, sm_count: int) -> int:
 
 def topk_select_cuda(logits: torch.Tensor, lengths: torch.Tensor, ws: torch.Tensor, k: int, block_table=None,
                      block_size: int = 0, rows_per_seq: int = 1, *, splits: int | None = None,
-                     threads: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                     threads: int = 512, num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_select_kernel``: the ``topk`` op's selection (decode rows ``[0, lengths)``) from the
     bucket histograms already in ``ws`` (:func:`select_workspace`, filled by the logits kernel; its
     control words must still be zero) -- no histogram pass, ``splits`` CTAs per row, the last CTA of
@@ -152,12 +222,8 @@ def topk_select_cuda(logits: torch.Tensor, lengths: torch.Tensor, ws: torch.Tens
     if splits is None:
         from dsv4.target import Target
         splits = select_splits(rows, ncols, Target.of(dev).sm_count or 132)
-    mod = load("topk.cu", TOPK_SELECT=1, TOPK_CLUSTER=1, TOPK_THREADS=threads, TOPK_CAP=CAP, TOPK_VEC=1, TOPK_APPEND=0)
-    kern = mod.kernel("topk_select_kernel")
-    nbytes = smem_bytes()
-    if id(kern) not in _smem_ready:
-        set_max_dynamic_smem(kern, nbytes)
-        _smem_ready.add(id(kern))
+    mod = load("topk.cu", TOPK_SELECT=1, TOPK_CLUSTER=1, TOPK_THREADS=threads, TOPK_CAP=CAP, TOPK_VEC=1, TOPK_RES=0)
+    kern = _kernel(mod, "topk_select_kernel")
     hist = ws[: rows * NBINS]
     ctl = ws[rows * NBINS: rows * (NBINS + CTL)]
     gsel = torch.empty((rows, KMAX), dtype=torch.int64, device=dev)
@@ -166,23 +232,27 @@ def topk_select_cuda(logits: torch.Tensor, lengths: torch.Tensor, ws: torch.Tens
     bt_stride = block_table.stride(0) if has_bt and block_table.shape[0] > 1 else (block_table.shape[1] if has_bt else 0)
     args = (logits, np.int64(row_stride), np.int32(ncols), lengths,
             block_table if has_bt else lengths, np.int64(bt_stride), np.int32(block_size if has_bt else 1),
-            np.int32(rows_per_seq), np.int32(has_bt),
+            np.int32(rows_per_seq), np.int32(has_bt), np.int32(_num_blocks(num_blocks)),
             np.int32(k), np.int32(rows), np.int32(splits), hist, ctl, gsel, gcand, out_idx, out_sc)
-    launch(kern, rows * splits, threads, *args, smem=nbytes)
+    launch(kern, rows * splits, threads, *args, smem=smem_bytes())
     return out_idx, out_sc
 
 
 class CudaTopk(CudaProvider):
-    describe = "topk.cu: cluster radix select (fp16-bucket pass + composite-key refinement), bitonic sort"
+    describe = ("topk.cu: shape-adaptive radix select (1 CTA/row, row in registers; or a cluster of up to 8 CTAs/row), "
+                "rank refinement, bucket-segment sort")
     arch_requirement = "built for sm_90a only (thread-block clusters, DSMEM)"
 
     def supports_problem(self, problem):
         if not 1 <= problem["k"] <= KMAX:
             return Support.no(f"cuda: k={problem['k']} outside 1..{KMAX}")
-        return Support.yes("sm_90a, k <= 2048")
+        return Support.yes("sm_90a, k <= 2048 (CUDA, not a DSL wall: the select code is shared bitwise with the "
+                           "fused indexer_topk_paged; DSL port open, see kernels_cuda/topk.py)")
 
-    def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq):
-        return topk_cuda(logits, lengths, k, starts, block_table, block_size, rows_per_seq)
+    def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=True,
+            num_blocks=None):
+        return topk_cuda(logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=sorted,
+                         num_blocks=num_blocks)
 
 
 PROVIDERS = {"topk": CudaTopk}

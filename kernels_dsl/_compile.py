@@ -36,15 +36,66 @@ _lock = threading.Lock()
 _stats = {"compiles": 0, "hits": 0, "disk_hits": 0, "seconds": 0.0}
 
 
+#: the install that gives a working DSL provider on a CUDA 13 Hopper machine (README "GPU install")
+DSL_INSTALL_HINT = "on a CUDA 13 GPU machine: pip install -e '.[cu13]' (README, GPU install)"
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:  # noqa: BLE001 - not installed, or a bundle without dist metadata
+        return None
+
+
+def dsl_cuda_flavor() -> int | None:
+    """CUDA major of the CuTe DSL libraries the process loaded (``_cutlass_ir.cu12`` / ``.cu13``:
+    with both flavors installed, the DSL picks the newest one the driver supports), or None."""
+    import re
+    import sys
+    m = sys.modules.get("cutlass._mlir._mlir_libs._cutlass_ir")
+    hit = re.search(r"\.cu(\d+)\.", os.path.basename(getattr(m, "__file__", "") or ""))
+    return int(hit.group(1)) if hit else None
+
+
+@functools.lru_cache(maxsize=None)
+def _dsl_mismatch_note() -> str:
+    """On a machine with a CUDA device: a warning when the loaded DSL libraries and cuda-bindings are
+    built for different CUDA majors (e.g. the default cu12 DSL next to cuda-bindings 13 on a CUDA 13
+    machine), else '' (a CPU-only machine only compiles: no warning)."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return ""
+    except Exception:  # noqa: BLE001
+        return ""
+    flavor = dsl_cuda_flavor()
+    bind = _dist_version("cuda-bindings")
+    if flavor is None or not bind or not bind.split(".")[0].isdigit() or int(bind.split(".")[0]) == flavor:
+        return ""
+    return (f"; warning: CuTe DSL CUDA {flavor} libraries next to cuda-bindings {bind} (CUDA {bind.split('.')[0]}): "
+            f"{DSL_INSTALL_HINT}")
+
+
 @functools.lru_cache(maxsize=None)
 def dsl_available() -> Support:
-    """Is the CuTe DSL importable?"""
+    """Is the CuTe DSL installed and usable (imports, with its CUDA libraries)? The reason says which
+    of: not installed, installed but unusable (the import error, e.g. no CUDA flavor compatible with
+    the driver, and the install that fixes it), or usable (version, CUDA flavor, and a warning when
+    the DSL's CUDA major differs from cuda-bindings')."""
+    ver = _dist_version("nvidia-cutlass-dsl")
     try:
-        import cutlass  # noqa: F401
+        import cutlass
         import cutlass.cute  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        return Support.no(f"dsl: nvidia-cutlass-dsl not importable ({type(e).__name__}: {e})")
-    return Support.yes("nvidia-cutlass-dsl importable")
+        if ver is None and isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "cutlass":
+            return Support.no(f"dsl: nvidia-cutlass-dsl is not installed ({DSL_INSTALL_HINT})")
+        return Support.no(f"dsl: nvidia-cutlass-dsl {ver or ''} is installed but unusable ({DSL_INSTALL_HINT}): "
+                          f"{type(e).__name__}: {str(e)[:300]}".replace("  ", " "))
+    ver = ver or getattr(cutlass, "__version__", "?")
+    flavor = dsl_cuda_flavor()
+    return Support.yes(f"nvidia-cutlass-dsl {ver}" + (f" (CUDA {flavor} libraries)" if flavor else "")
+                       + _dsl_mismatch_note())
 
 
 def compile_options(arch: str, extra: str = "") -> str:
@@ -182,7 +233,11 @@ class DslProvider(Provider):
 
     def supports(self, problem, target) -> Support:
         no = dsl_target_support(target, self.arch_requirement)   # (a Support.no is falsy: no `or` here)
-        return no if no is not None else self.supports_problem(problem)
+        if no is not None:
+            return no
+        ok = self.supports_problem(problem)
+        note = _dsl_mismatch_note()          # a mismatched install is shown on every dsl row it serves
+        return Support.yes(ok.reason + note) if ok and note else ok
 
     def supports_problem(self, problem) -> Support:
         return Support.yes("sm_90a")

@@ -430,7 +430,7 @@ class DslTopkPagedFused(DslPagedLogits):
         mapped = problem["mapped"]
         return topk(logits, lens.reshape(-1), problem["k"], block_table=block_table if mapped else None,
                     block_size=problem["block_size"] if mapped else 0, rows_per_seq=problem["next_n"],
-                    return_scores=True)
+                    return_scores=True, num_blocks=int(cache.shape[0]) if mapped else None)
 
     def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fused=None,
             splits=None, threads=512):
@@ -472,7 +472,7 @@ class DslTopkPagedFused(DslPagedLogits):
             launch_on(dev, fn, *args)
         mapped = problem["mapped"]
         return topk_select_cuda(out, lv, ws, k, block_table if mapped else None, bs if mapped else 0, nn,
-                                splits=splits, threads=threads)
+                                splits=splits, threads=threads, num_blocks=nb if mapped else None)
 
 
 PROVIDERS = {"indexer_logits_paged": DslPagedLogits, "indexer_logits": DslLogits,

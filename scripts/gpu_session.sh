@@ -38,8 +38,8 @@ step "dsv4 run --context 131072" 180 bash -c \
 $PY -m dsv4 ops --device cuda >> "$OUT/run.txt" 2>&1
 step "gpu tests: quantize" 90 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_quantize.py
 # 3. candidate speed-ups, each validated before it is timed
-step "gpu tests: topk TOPK_APPEND=1" 90 env DSV4_TOPK_APPEND=1 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_topk.py
-step "bench topk (both schemes)" 90 $PY bench/bench_topk.py --json "$OUT/topk.json"
+step "gpu tests: topk" 90 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_topk.py
+step "bench topk (every config)" 90 $PY bench/bench_topk.py --json "$OUT/topk.json"
 step "bench dequant_fp4" 60 $PY bench/bench_dequant_fp4.py --json "$OUT/dequant.json"
 step "gpu tests: indexer" 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py tests/test_indexer_dsl.py
 step "bench indexer (quick)" 90 $PY bench/bench_indexer.py --quick --json "$OUT/indexer_quick.json"

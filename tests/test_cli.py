@@ -36,6 +36,27 @@ def test_ops_pretty_table():
     assert r.returncode == 0 and "dequant_fp4" in r.stdout and "DSV4_OPS" in r.stdout
 
 
+def test_ops_unknown_op_exit_2():
+    """issue 19 item 5: `dsv4 ops nosuch` printed an empty table with exit 0."""
+    r = dsv4("ops", "nosuch")
+    assert r.returncode == 2 and "unknown op 'nosuch'" in r.stderr and "topk" in r.stderr
+    assert "Traceback" not in r.stderr and "┃" not in r.stdout
+
+
+def test_ops_bad_env_override_exit_2():
+    import os
+    r = subprocess.run([sys.executable, "-m", "dsv4", "ops"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, DSV4_OPS="nosuchop=torch"))
+    assert r.returncode == 2 and "unknown op 'nosuchop'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ops_verbose_explains_the_choice():
+    r = dsv4("ops", "--verbose", "topk")
+    assert r.returncode == 0, r.stderr
+    assert "topk: dsl: not implemented" in r.stdout and "using torch: reference" in r.stdout
+    assert "not implemented for this op" in r.stdout          # the table's reason for a missing kind
+
+
 def test_layouts_prints_specs():
     r = dsv4("layouts", "dequant_fp4")
     assert r.returncode == 0
@@ -88,6 +109,9 @@ def test_run_json_schema_is_stable(cpu_run):
     assert [s["name"] for s in out["stages"]] == STAGES
     for s in out["stages"]:
         assert set(s) == STAGE_KEYS and s["provider"] == "torch" and s["time_us"] > 0 and s["reason"]
+        # issue 19 item 8: the reason says plainly what ran and why, not "skipped dsl: ... does not exist"
+        assert s["reason"].startswith("torch: reference"), s["reason"]
+        assert "skipped" not in s["reason"] and "does not exist" not in s["reason"], s["reason"]
     q = out["quality"]
     # the FP4 (MXFP4 + Hadamard) selection must be close to the FP32 one on the generated data
     assert 0.9 < q["topk_recall_mean"] <= 1.0 and 0.99 < q["attn_cosine_mean"] <= 1.0
@@ -200,3 +224,92 @@ def test_run_bad_sizes_exit_2(args, needle):
 def test_version():
     r = dsv4("--version")
     assert r.returncode == 0 and "dsv4-kernels" in r.stdout
+
+
+# ----------------------------------------------------------------------------- issue 19 items 6, 7
+@pytest.mark.parametrize("flag,path,needle", [
+    ("--json", "/nonexistent_dir_xyz/out.json", "does not exist"),
+    ("--json", "out.txt", "must end in .json"),
+    ("--plot", "out.jpg", "must end in .png / .svg / .pdf"),
+    ("--plot", "/nonexistent_dir_xyz/p.png", "does not exist"),
+])
+def test_run_checks_output_paths_before_running(tmp_path, flag, path, needle):
+    """A bad --json / --plot path used to end in a traceback after the whole run."""
+    p = path if path.startswith("/") else str(tmp_path / path)
+    r = dsv4("run", "--no-progress", "--context", "256", "--batch", "1", flag, p, timeout=60)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
+    assert "dsv4 run: DSV4" not in r.stdout                      # nothing ran
+
+
+def test_run_unwritable_output_dir(tmp_path):
+    import os
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        if os.access(d, os.W_OK):
+            pytest.skip("running as a user that can write anywhere (root)")
+        r = dsv4("run", "--no-progress", "--json", str(d / "o.json"), timeout=60)
+        assert r.returncode == 2 and "not writable" in r.stderr
+    finally:
+        d.chmod(0o700)
+
+
+def test_run_inputs_with_no_entries_is_a_clear_error(tmp_path):
+    """S = 0 (and S below one page) used to end in a traceback."""
+    import torch
+    from safetensors.torch import save_file
+    f = tmp_path / "empty.safetensors"
+    save_file({"q": torch.zeros(1, 64, 128), "K": torch.zeros(1, 0, 128), "w": torch.zeros(1, 64),
+               "kv": torch.zeros(1, 0, 512)}, str(f))
+    r = dsv4("run", "--no-progress", "--inputs", str(f))
+    assert r.returncode == 2 and "'K' has shape [1, 0, 128]" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_inputs_override_of_sizes_is_said_on_stderr(tmp_path):
+    f = tmp_path / "cap.safetensors"
+    _write_inputs(f, B=1, S=512)
+    r = dsv4("run", "--no-progress", "--inputs", str(f), "--context", "4096", "--batch", "3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--inputs sets the batch, context and next_n from the file" in r.stderr
+    assert "--context 4096" in r.stderr and "--batch 3" in r.stderr and "batch 1 x next_n 1" in r.stdout
+
+
+def test_run_help_states_the_context_rule():
+    r = dsv4("run", "--help")
+    assert r.returncode == 0 and ">= 256" in r.stdout and "multiple of 4" in r.stdout
+
+
+def _fake_result(on_gpu):
+    from dsv4.pipeline import LayerResult, StageResult
+    st = [StageResult("kv_cache_append", "kv_cache_append", "cuda", "cuda: sm_90a", 1.0, 1e6, 0.0, "bw", 61.5, 1e3),
+          StageResult("sparse_attention", "sparse_attention", "dsl", "dsl: sm_90a", 300_000.0, 1e6, 1e12, "flops",
+                      12.25, 3.3, 3.3)]
+    return LayerResult({}, "dsv4 run: test banner", on_gpu, 4000.0, st, {})
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_plot_labels_values_and_says_when_no_roofline(tmp_path, on_gpu):
+    """issue 19 item 7: bars carry their values, the time axis is logarithmic (a 1 us stage stays
+    visible next to 300 ms), and a CPU run says on the figure that no roofline applies."""
+    import matplotlib
+    from dsv4 import cli
+    matplotlib.rcParams["svg.fonttype"] = "none"           # text stays text in the SVG
+    path = tmp_path / "p.svg"
+    cli.plot_result(_fake_result(on_gpu), str(path))
+    svg = path.read_text()
+    assert "1.0 us" in svg and "300.00 ms" in svg and "log scale" in svg
+    if on_gpu:
+        assert "61.5% BW" in svg and "12.2% BF16" in svg and "no roofline" not in svg
+    else:
+        assert "no roofline on a CPU run" in svg and "not applicable (CPU)" in svg
+
+
+def test_bench_eager_runs_on_cpu(tmp_path):
+    """bench/bench_eager.py (issue 17 item 1) measures the library's own host time on a CPU machine."""
+    r = dsv4("bench", "eager", "--lib-only", "--ops", "moe_combine,quantize_mxfp4", "--json", str(tmp_path / "e.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "eager host time per call" in r.stdout and "moe_combine" in r.stdout
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert {row["op"] for row in rows if "lib_us" in row} == {"moe_combine", "quantize_mxfp4"}
+    assert all(row["lib_us"] > 0 for row in rows if "lib_us" in row)

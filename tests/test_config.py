@@ -138,20 +138,17 @@ def test_defaults_are_unchanged():
     expected = {
         "DSV4_PRINT_LAYOUTS": 0, "DSV4_DSL_DISK_CACHE": 1, "DSV4_COMPILE_ARCH": "sm_90a",
         "DSV4_QUANT_FUSED_MAX_CHUNKS": 4096, "DSV4_QUANT_L2_KEEP_MB": 32, "DSV4_QUANT_REVERSE": 1,
-        "DSV4_TOPK_APPEND": 0,
         "DSV4_MOE_DECODE": 1, "DSV4_MOE_DECODE_MAXM": 16, "DSV4_MOE_DECODE_MMA": 1, "DSV4_MOE_DECODE_BULK": 0,
         "DSV4_MOE_DECODE_L2PF": 256, "DSV4_MOE_DECODE_STAGES": None, "DSV4_MOE_DECODE_NWG": 2,
         "DSV4_MOE_DECODE_SPLITK": 4,
     }
     assert {k: VARS[k].default for k in expected} == expected
-    from kernels_cuda import moe_decode, quantize, topk
+    from kernels_cuda import moe_decode, quantize
     assert (moe_decode.DECODE_MAX_M, moe_decode.DECODE_MMA, moe_decode.DECODE_BULK, moe_decode.DECODE_L2PF,
             moe_decode.DECODE_SPLITK) == (16, 1, 0, 256, 4)
     if not any(k.startswith("DSV4_QUANT_") for k in os.environ):
         assert (quantize.TUNING["fused_max_chunks"], quantize.TUNING["l2_keep_bytes"], quantize.TUNING["reverse"]) \
             == (4096, 32 << 20, 1)
-    if "DSV4_TOPK_APPEND" not in os.environ:
-        assert topk.APPEND == 0
 
 
 # ------------------------------------------------------------------------------ readers
@@ -228,7 +225,6 @@ def test_moe_decode_plan_overrides(clean_env):
 
 # ------------------------------------------------------------------------------ other call sites
 @pytest.mark.parametrize("module,name,value", [
-    ("kernels_cuda.topk", "DSV4_TOPK_APPEND", "2"),
     ("kernels_cuda.quantize", "DSV4_QUANT_L2_KEEP_MB", "lots"),
     ("kernels_cuda.quantize", "DSV4_QUANT_REVERSE", "yes"),
 ])

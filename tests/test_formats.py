@@ -131,8 +131,10 @@ def np_mxfp4(x: np.ndarray, rule: str):
         k = np.clip(k, -127, 127)
     s = np_pow2_f32(k)
     with np.errstate(all="ignore"):
-        codes = policy_e2m1_codes(np.clip(blk / s, -6, 6)).reshape(x.shape)
-    return np_pack(codes), (k[..., 0] + 127).astype(np.uint8)
+        codes = policy_e2m1_codes(np.clip(blk / s, -6, 6))
+    bad = ~np.isfinite(blk).all(-1, keepdims=True)            # OCP MX 6.3: NaN / Inf block -> NaN scale, zero codes
+    codes = np.where(bad, 0, codes).reshape(x.shape)
+    return np_pack(codes), np.where(bad[..., 0], 255, k[..., 0] + 127).astype(np.uint8)
 
 
 def np_fp8_block(x: np.ndarray, block: int, fmt: str):
@@ -155,7 +157,9 @@ def np_nvfp4(x: np.ndarray, gdec=None):
         if gdec is None:
             amax = np_finite_absmax(x.reshape(*batch, M * K), -1)
             genc = np.minimum(np.float32(2688.0) / amax, FLT_MAX).astype(np.float32)
-            genc = np.where((amax > 0) & np.isfinite(amax), genc, np.float32(1)).astype(np.float32)
+            genc = np.where(amax > 0, genc, np.float32(1)).astype(np.float32)
+            # a non-finite tensor amax (any NaN / Inf element) gives a NaN global scale (OCP MX rule)
+            genc = np.where(np.isfinite(x.reshape(*batch, M * K)).all(-1), genc, np.float32(np.nan)).astype(np.float32)
             gdec = (np.float32(1) / genc).astype(np.float32)
         else:
             gdec = np.asarray(gdec, dtype=np.float32)
@@ -168,8 +172,11 @@ def np_nvfp4(x: np.ndarray, gdec=None):
         sf = s.astype(np.float32)
         enc = np.minimum(np.float32(1) / (sf * gdec.reshape(bs)), FLT_MAX).astype(np.float32)
         codes = policy_e2m1_codes(np.clip(blk * enc, -6, 6))
-    codes = np.where(sf == 0, codes & 8, codes).reshape(*batch, M, K)
-    return np_pack(codes), s[..., 0].view(np.uint8), gdec, genc
+    codes = np.where(sf == 0, codes & 8, codes)
+    bad = ~np.isfinite(blk).all(-1, keepdims=True) | np.isnan(genc).reshape(bs)   # NaN block scale 0x7F, zero codes
+    codes = np.where(bad, 0, codes).reshape(*batch, M, K)
+    sb = np.where(bad[..., 0], np.uint8(0x7F), s[..., 0].view(np.uint8)).astype(np.uint8)
+    return np_pack(codes), sb, gdec, genc
 
 
 def half_gap(t: np.ndarray) -> np.ndarray:
@@ -595,21 +602,26 @@ def test_mxfp4_scale_rules_by_value():
 
 @pytest.mark.parametrize("rule", ["dsv4", "ocp"])
 def test_mxfp4_nan_inf_policy(rule):
+    """OCP MX v1.0 6.3 (issue 19 item 13): a block with a NaN or Inf gets the NaN scale 0xFF and
+    zero codes (it decodes to NaN); every other block is unaffected."""
     g = torch.Generator().manual_seed(5)
-    clean = torch.randn(2, 64, generator=g)
+    clean = torch.randn(2, 96, generator=g)
     dirty = clean.clone()
-    dirty[0, 3], dirty[0, 40], dirty[1, 7] = float("nan"), float("inf"), -float("inf")
+    dirty[0, 3], dirty[0, 40], dirty[1, 7], dirty[1, 70] = float("nan"), float("inf"), -float("inf"), -float("nan")
     d1, s1 = quantize_mxfp4(dirty, rule)
-    zeroed = torch.where(torch.isfinite(dirty), dirty, torch.zeros_like(dirty))
-    d0, s0 = quantize_mxfp4(zeroed, rule)
-    assert torch.equal(s1.view(torch.uint8), s0.view(torch.uint8))        # amax ignores NaN/Inf
-    assert not torch.isnan(ue8m0_decode(s1)).any()
-    c1, c0 = unpack_e2m1(d1), unpack_e2m1(d0)
-    special = ~torch.isfinite(dirty)
-    assert torch.equal(c1[~special], c0[~special])                         # neighbours unaffected
-    assert (c1[0, 3].item(), c1[0, 40].item(), c1[1, 7].item()) == (0x0, 0x7, 0xF)
-    deq = dequantize_mxfp4(d1, s1)
-    assert not torch.isnan(deq).any() and torch.isfinite(deq).all()
+    d0, s0 = quantize_mxfp4(clean, rule)
+    bad = torch.tensor([[True, True, False], [True, False, True]])       # blocks of 32 holding a NaN / Inf
+    sb1, sb0 = s1.view(torch.uint8), s0.view(torch.uint8)
+    assert sb1[bad].tolist() == [0xFF] * 4 and torch.equal(sb1[~bad], sb0[~bad])
+    c1, c0 = unpack_e2m1(d1).reshape(2, 3, 32), unpack_e2m1(d0).reshape(2, 3, 32)
+    assert c1[bad].eq(0).all() and torch.equal(c1[~bad], c0[~bad])
+    deq = dequantize_mxfp4(d1, s1).reshape(2, 3, 32)
+    assert torch.isnan(deq[bad]).all() and torch.equal(deq[~bad], dequantize_mxfp4(d0, s0).reshape(2, 3, 32)[~bad])
+    for v in (float("inf"), -float("inf"), float("nan")):                # one special element is enough
+        x = torch.ones(1, 32)
+        x[0, 31] = v
+        d, s = quantize_mxfp4(x, rule)
+        assert s.view(torch.uint8).item() == 0xFF and d.eq(0).all() and torch.isnan(dequantize_mxfp4(d, s)).all()
 
 
 @HSET
@@ -703,8 +715,9 @@ def test_nvfp4_all_zero_tensor_global_scale_one():
         assert torch.equal(codes >> 3, torch.signbit(x).to(torch.uint8))     # sign of zero kept
         deq = dequantize_nvfp4(t)
         assert not torch.isnan(deq).any() and deq.eq(0).all()
-    assert F.nvfp4_global_encode_scale(torch.tensor([0.0, float("nan"), float("inf"), 1e-45])).tolist() == \
-        [1.0, 1.0, 1.0, float(np.finfo(np.float32).max)]
+    g = F.nvfp4_global_encode_scale(torch.tensor([0.0, float("nan"), float("inf"), 1e-45]))
+    assert g[0].item() == 1.0 and g[3].item() == float(np.finfo(np.float32).max)
+    assert torch.isnan(g[1:3]).all()                                        # non-finite amax -> NaN scale
 
 
 def test_nvfp4_zero_block_scale_gives_zero_codes_not_nan():
@@ -746,20 +759,35 @@ def test_nvfp4_user_global_scale_and_saturation():
 
 
 def test_nvfp4_nan_inf_policy():
+    """OCP MX rule (issue 19 item 13): a NaN / Inf block gets the E4M3 NaN scale 0x7F and zero
+    codes; with a computed global scale a non-finite amax makes g_dec = g_enc = NaN and every
+    block NaN; with a given (finite) global scale only the special blocks are NaN."""
     g = torch.Generator().manual_seed(23)
     clean = torch.randn(3, 32, generator=g)
     dirty = clean.clone()
     dirty[0, 2], dirty[1, 20], dirty[2, 5] = float("nan"), float("inf"), -float("inf")
-    zeroed = torch.where(torch.isfinite(dirty), dirty, torch.zeros_like(dirty))
-    t1, t0 = quantize_nvfp4(dirty), quantize_nvfp4(zeroed)
-    assert torch.equal(t1.global_scale, t0.global_scale)
-    assert torch.equal(e4m3_bytes(t1.scale), e4m3_bytes(t0.scale))
-    c1, c0 = unpack_e2m1(t1.data), unpack_e2m1(t0.data)
-    sp = ~torch.isfinite(dirty)
-    assert torch.equal(c1[~sp], c0[~sp])
-    assert (c1[0, 2].item(), c1[1, 20].item(), c1[2, 5].item()) == (0x0, 0x7, 0xF)
-    deq = dequantize_nvfp4(t1)
-    assert torch.isfinite(deq).all()
+    t1 = quantize_nvfp4(dirty)
+    assert torch.isnan(t1.global_scale) and torch.isnan(t1.global_encode_scale)
+    assert e4m3_bytes(t1.scale).eq(0x7F).all() and t1.data.eq(0).all()
+    assert torch.isnan(dequantize_nvfp4(t1)).all()
+    gs = quantize_nvfp4(clean).global_scale
+    t1, t0 = quantize_nvfp4(dirty, global_scale=gs), quantize_nvfp4(clean, global_scale=gs)
+    bad = torch.tensor([[True, False], [False, True], [True, False]])
+    b1, b0 = e4m3_bytes(t1.scale), e4m3_bytes(t0.scale)
+    assert b1[bad].tolist() == [0x7F] * 3 and torch.equal(b1[~bad], b0[~bad])
+    c1, c0 = unpack_e2m1(t1.data).reshape(3, 2, 16), unpack_e2m1(t0.data).reshape(3, 2, 16)
+    assert c1[bad].eq(0).all() and torch.equal(c1[~bad], c0[~bad])
+    deq = dequantize_nvfp4(t1).reshape(3, 2, 16)
+    assert torch.isnan(deq[bad]).all() and torch.isfinite(deq[~bad]).all()
+    # swizzled layout: NaN scales in the data region, zero padding
+    ts = quantize_nvfp4(dirty, global_scale=gs, sf_layout="swizzled")
+    assert torch.equal(e4m3_bytes(ts.linear_scale()), b1)
+    # grouped: only the expert holding the Inf gets the NaN global scale
+    x3 = torch.randn(2, 4, 32, generator=g)
+    x3[1, 2, 9] = float("inf")
+    t3 = quantize_nvfp4(x3)
+    assert torch.isfinite(t3.global_scale[0]) and torch.isnan(t3.global_scale[1])
+    assert e4m3_bytes(t3.scale)[1].eq(0x7F).all() and not e4m3_bytes(t3.scale)[0].eq(0x7F).any()
 
 
 def test_nvfp4_grouped_equals_per_expert():

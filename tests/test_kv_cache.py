@@ -201,7 +201,7 @@ def test_append_then_gather_roundtrip(bs, nb, n, seed, idx64, fmt):
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(nb)
     logical = (inv[torch.arange(n_slots) // bs] * bs + torch.arange(n_slots) % bs).to(torch.int32)
-    g = kv_gather(cache, bt, logical.view(1, -1))[0]
+    g = kv_gather(cache, bt, logical.view(1, -1), lens=torch.tensor([n_slots], dtype=torch.int32))[0]
     written = torch.zeros(n_slots, dtype=torch.bool)
     ok = slots >= 0
     written[slots[ok].long()] = True
@@ -226,8 +226,10 @@ def test_gather_swa_plus_compressed_invalid_rows_are_zero_and_formats_agree():
     idx[0, :4] = torch.tensor([2 * bs, 3 * bs + 1, 4 * bs, 0])        # page -1, page 9, past table, ok
     swa_idx = torch.randint(-1, 128, (T, 128), generator=gen, dtype=torch.int32)
     swa_idx[2, 0] = 70
-    out = {f: kv_gather(c, bt, idx, req_idx=req, swa_cache=s, swa_block_table=swa_bt, swa_indices=swa_idx)
-           for f, (c, s) in caches.items()}
+    lens = torch.full((B,), 4 * bs, dtype=torch.int32)
+    swa_lens = torch.full((B,), 128, dtype=torch.int32)
+    out = {f: kv_gather(c, bt, idx, lens=lens, req_idx=req, swa_cache=s, swa_block_table=swa_bt, swa_indices=swa_idx,
+                        swa_lens=swa_lens) for f, (c, s) in caches.items()}
     assert out["fp8_ds_mla"].shape == (T, 168, 512)
     assert torch.equal(out["fp8_ds_mla"], out["bf16"])
     o = out["fp8_ds_mla"]
@@ -237,6 +239,38 @@ def test_gather_swa_plus_compressed_invalid_rows_are_zero_and_formats_agree():
     assert (o[1, :128][swa_idx[1] >= 64] == 0).all()                  # swa page -1
     r = swa_idx[2, 0].item()
     assert torch.equal(o[2, 0], ref.fake_quant_fp8_ds_mla(y[3 * 64 + r % 64: 3 * 64 + r % 64 + 1])[0])
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
+def test_gather_never_reads_past_a_requests_length(fmt):
+    """Issue 19 item 1: request 0 has 3 compressed entries (page 0) and 5 SWA slots; its block_table
+    row is padded with request 1's pages (a real page, as engines pad with 0 / stale ids). Every
+    index at or past its length must give a zero row, never request 1's KV."""
+    gen = torch.Generator().manual_seed(19)
+    bs = 4
+    cache, swa = new_cache(4, bs, 512, fmt), new_cache(8, 64, 512, fmt)
+    x, y = outlier_kv(4 * bs, gen), outlier_kv(8 * 64, gen)
+    kv_cache_append(cache, x, torch.arange(4 * bs))
+    kv_cache_append(swa, y, torch.arange(8 * 64))
+    bt = torch.tensor([[0, 1, 1], [1, 2, 0]], dtype=torch.int32)      # row 0 padded with request 1's page 1
+    swa_bt = torch.tensor([[0, 2], [2, 3]], dtype=torch.int32)         # row 0 col 1 = request 1's page 2
+    lens = torch.tensor([3, 8], dtype=torch.int32)
+    swa_lens = torch.tensor([5, 128], dtype=torch.int32)
+    idx = torch.arange(12, dtype=torch.int32).repeat(2, 1)
+    swa_idx = torch.tensor([[0, 4, 5, 63, 64, 100], [0, 4, 5, 63, 64, 100]], dtype=torch.int32)
+    o = kv_gather(cache, bt, idx, lens=lens, swa_cache=swa, swa_block_table=swa_bt, swa_indices=swa_idx,
+                  swa_lens=swa_lens)
+    want_c0 = ref.fake_quant_fp8_ds_mla(x[:3])
+    assert torch.equal(o[0, 6:9], want_c0) and (o[0, 9:] == 0).all()
+    assert (o[0, :6][torch.tensor([0, 1])] != 0).any(dim=-1).all() and (o[0, 2:6] == 0).all()
+    # request 1 reads its own 8 entries (pages 1, 2) and nothing past them
+    want_c1 = ref.fake_quant_fp8_ds_mla(torch.cat([x[bs:2 * bs], x[2 * bs:3 * bs]]))
+    assert torch.equal(o[1, 6:14], want_c1) and (o[1, 14:] == 0).all()
+    assert torch.equal(o[1, :6], ref.fake_quant_fp8_ds_mla(y[torch.tensor([128, 132, 133, 191, 192, 228])]))
+    # negative lens = empty; the same on the public op with every provider that runs here
+    o2 = kv_gather(cache, bt, idx, lens=torch.tensor([-1, 0], dtype=torch.int32))
+    assert (o2 == 0).all()
+
 
 
 # ------------------------------------------------------------------------------ compressor
@@ -352,16 +386,28 @@ def test_validation_errors():
     kv_cache_append(cache, x, torch.tensor([0, 8, -5]))           # device path: skipped, no error
     bt = torch.tensor([[0, 7]], dtype=torch.int32)
     idx = torch.zeros(1, 3, dtype=torch.int32)
+    ln = torch.tensor([8], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_table"):
-        kv_gather(cache, bt, idx, debug_check=True)
-    assert (kv_gather(cache, bt, torch.tensor([[5, -1, 100]], dtype=torch.int32)) == 0).all()
+        kv_gather(cache, bt, idx, lens=ln, debug_check=True)
+    assert (kv_gather(cache, bt, torch.tensor([[5, -1, 100]], dtype=torch.int32), lens=ln) == 0).all()
     with pytest.raises(ValueError, match="all of swa"):
-        kv_gather(cache, bt, idx, swa_cache=cache)
+        kv_gather(cache, bt, idx, lens=ln, swa_cache=cache)
+    with pytest.raises(ValueError, match="all of swa"):
+        kv_gather(cache, bt, idx, lens=ln, swa_cache=cache, swa_block_table=bt, swa_indices=idx)
     with pytest.raises(LayoutError, match="block_table"):
-        kv_gather(cache, bt.long(), idx)
+        kv_gather(cache, bt.long(), idx, lens=ln)
+    with pytest.raises(TypeError, match="lens"):
+        kv_gather(cache, bt, idx)                                  # lens is required
+    with pytest.raises(LayoutError, match="lens"):
+        kv_gather(cache, bt, idx, lens=torch.tensor([8, 8], dtype=torch.int32))
+    with pytest.raises(LayoutError, match="lens"):
+        kv_gather(cache, bt, idx, lens=ln.long())
+    with pytest.raises(ValueError, match="lens outside"):
+        kv_gather(cache, torch.tensor([[0, 1]], dtype=torch.int32), idx, lens=torch.tensor([9], dtype=torch.int32),
+                  debug_check=True)
     with pytest.raises(LayoutError, match="format"):
-        kv_gather(cache, bt, idx, swa_cache=new_cache(2, 4, 512, "bf16"), swa_block_table=bt,
-                  swa_indices=idx)
+        kv_gather(cache, bt, idx, lens=ln, swa_cache=new_cache(2, 4, 512, "bf16"), swa_block_table=bt,
+                  swa_indices=idx, swa_lens=ln)
     gen = torch.Generator().manual_seed(0)
     kv, score, ape, w = compress_inputs([8], 512, 4, gen)
     table = rope_cos_sin_table(64)
@@ -391,8 +437,9 @@ def test_registry_and_fake_tensor_shapes():
     with FakeTensorMode():
         cache = torch.empty(4, 64 * 584, dtype=torch.uint8)
         out = torch.ops.dsv4.kv_gather(cache, torch.empty(2, 3, dtype=torch.int32), torch.empty(2, 5, dtype=torch.int32),
-                                       None, cache, torch.empty(2, 2, dtype=torch.int32),
-                                       torch.empty(2, 128, dtype=torch.int32))
+                                       torch.empty(2, dtype=torch.int32), None, cache,
+                                       torch.empty(2, 2, dtype=torch.int32), torch.empty(2, 128, dtype=torch.int32),
+                                       torch.empty(2, dtype=torch.int32))
         assert out.shape == (2, 133, 512) and out.dtype == torch.bfloat16
 
 
@@ -429,8 +476,10 @@ def test_provider_defaults_match_cu_defaults():
 
 
 # ------------------------------------------------------------------------------ GPU
-def _cuda_vs_ref(fn_cuda, fn_ref):
-    with registry.use({"kv_cache_append": "cuda", "kv_gather": "cuda", "kv_compress_prefill": "cuda",
+def _cuda_vs_ref(fn_cuda, fn_ref, kind="cuda"):
+    """``fn_cuda`` with every kv op forced to ``kind`` (append / gather also have a ``dsl`` provider),
+    ``fn_ref`` with the torch references."""
+    with registry.use({"kv_cache_append": kind, "kv_gather": kind, "kv_compress_prefill": "cuda",
                        "kv_compress_decode": "cuda"}):
         a = fn_cuda()
     with registry.use({"*": "torch"}):
@@ -438,10 +487,14 @@ def _cuda_vs_ref(fn_cuda, fn_ref):
     return a, b
 
 
+GPU_KINDS = ["cuda", "dsl"]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
 @pytest.mark.parametrize("idx64", [False, True])
-def test_gpu_append_matches_reference_bytes(fmt, idx64, cuda_device):
+def test_gpu_append_matches_reference_bytes(fmt, idx64, kind, cuda_device):
     gen = torch.Generator().manual_seed(30)
     nb, bs, N = 300, 64, 16384
     x = outlier_kv(N, gen).to(cuda_device)
@@ -454,7 +507,7 @@ def test_gpu_append_matches_reference_bytes(fmt, idx64, cuda_device):
         c = new_cache(nb, bs, 512, fmt, cuda_device)
         kv_cache_append(c, x, slots)
         return c
-    a, b = _cuda_vs_ref(run, run)
+    a, b = _cuda_vs_ref(run, run, kind)
     if fmt == "bf16":
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     else:
@@ -463,8 +516,9 @@ def test_gpu_append_matches_reference_bytes(fmt, idx64, cuda_device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
-def test_gpu_gather_matches_reference(fmt, cuda_device):
+def test_gpu_gather_matches_reference(fmt, kind, cuda_device):
     gen = torch.Generator().manual_seed(31)
     B, nbc, bs = 128, 40 * 128, 64                     # 40 pages (2560 entries) per request
     cache = new_cache(nbc, bs, 512, fmt, cuda_device)
@@ -477,17 +531,61 @@ def test_gpu_gather_matches_reference(fmt, cuda_device):
     swa_bt = torch.arange(B * 2, dtype=torch.int32).view(B, 2)
     idx = torch.randint(-1, 40 * bs + 5, (B, 512), generator=gen, dtype=torch.int32)
     swa_idx = torch.randint(-1, 128, (B, 128), generator=gen, dtype=torch.int32)
-    args = [t.to(cuda_device) for t in (bt, idx, swa_bt, swa_idx)]
-    run = lambda: kv_gather(cache, args[0], args[1], swa_cache=swa, swa_block_table=args[2], swa_indices=args[3])
-    a, b = _cuda_vs_ref(run, run)
+    lens = torch.randint(0, 40 * bs + 1, (B,), generator=gen, dtype=torch.int32)     # per-request lengths
+    lens[:8] = 40 * bs
+    swa_lens = torch.randint(0, 129, (B,), generator=gen, dtype=torch.int32)
+    swa_lens[:8] = 128
+    args = [t.to(cuda_device) for t in (bt, idx, swa_bt, swa_idx, lens, swa_lens)]
+    run = lambda: kv_gather(cache, args[0], args[1], lens=args[4], swa_cache=swa, swa_block_table=args[2],
+                            swa_indices=args[3], swa_lens=args[5])
+    a, b = _cuda_vs_ref(run, run, kind)
     assert a.shape == (B, 640, 512)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    past = (idx.to(cuda_device) >= args[4].view(-1, 1))
+    assert (a[:, 128:][past] == 0).all() and past.any()
     # prefill shape: one request, all 2560 entries + a req_idx mapping
     req = torch.full((1,), 7, dtype=torch.int32, device=cuda_device)
     allidx = torch.arange(40 * bs, dtype=torch.int32, device=cuda_device).view(1, -1)
-    run = lambda: kv_gather(cache, args[0], allidx, req_idx=req)
-    a, b = _cuda_vs_ref(run, run)
+    run = lambda: kv_gather(cache, args[0], allidx, lens=args[4], req_idx=req)
+    a, b = _cuda_vs_ref(run, run, kind)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert registry.last_choice("kv_gather").kind == "torch"
+    # odd sizes: 1 query, K not a multiple of the rows per warp, an empty block table
+    one = torch.tensor([[5, 3000, -1, 7, 1]], dtype=torch.int32, device=cuda_device)
+    run = lambda: kv_gather(cache, args[0][:1], one, lens=args[4][:1])
+    a, b = _cuda_vs_ref(run, run, kind)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    empty = torch.empty(1, 0, dtype=torch.int32, device=cuda_device)
+    run = lambda: kv_gather(cache, empty, one, lens=args[4][:1])
+    a, _ = _cuda_vs_ref(run, run, kind)
+    assert (a == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_gpu_gather_isolation_past_lens(kind, cuda_device):
+    """Issue 19 item 1 on the device: indices at or past lens[req] whose block_table column holds
+    another request's page give zero rows (the reference's answer, bit for bit)."""
+    gen = torch.Generator().manual_seed(33)
+    bs, R = 16, 6
+    cache = new_cache(R * 4, bs, 512, "fp8_ds_mla", cuda_device)
+    swa = new_cache(R * 2, 64, 512, "fp8_ds_mla", cuda_device)
+    kv_cache_append(cache, outlier_kv(R * 4 * bs, gen).to(cuda_device), torch.arange(R * 4 * bs, device=cuda_device))
+    kv_cache_append(swa, outlier_kv(R * 128, gen).to(cuda_device), torch.arange(R * 128, device=cuda_device))
+    bt = torch.arange(R * 4, dtype=torch.int32).view(R, 4).roll(1, 0)  # every row ends in real pages
+    swa_bt = torch.arange(R * 2, dtype=torch.int32).view(R, 2)
+    lens = torch.tensor([0, 1, 15, 16, 33, 64], dtype=torch.int32)
+    swa_lens = torch.tensor([0, 1, 64, 65, 127, 128], dtype=torch.int32)
+    idx = torch.arange(64, dtype=torch.int32).repeat(R, 1)
+    swa_idx = torch.arange(128, dtype=torch.int32).repeat(R, 1)
+    args = [t.to(cuda_device) for t in (bt, swa_bt, lens, swa_lens, idx, swa_idx)]
+    run = lambda: kv_gather(cache, args[0], args[4], lens=args[2], swa_cache=swa, swa_block_table=args[1],
+                            swa_indices=args[5], swa_lens=args[3])
+    a, b = _cuda_vs_ref(run, run, kind)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for r in range(R):
+        assert (a[r, :128][int(swa_lens[r]):] == 0).all() and (a[r, 128:][int(lens[r]):] == 0).all()
+        assert (a[r, 128:][:int(lens[r])] != 0).any(dim=-1).all()
 
 
 def _gpu_prefill(d, ratio, lens, fmt, dev, gen, exact_inputs=False):
@@ -547,6 +645,50 @@ def test_gpu_compress_prefill_bit_exact_on_order_independent_inputs(d, ratio, cu
     assert torch.equal(a, b)                         # FP8 / MXFP4 bytes and BF16 rope bits identical
 
 
+def test_reference_indexer_compressor_nan_entry_gets_nan_scales():
+    """Issue 19 item 13 for the indexer key cache (MXFP4, OCP MX rule): an entry whose pooled
+    value is NaN gets the NaN scale 0xFF and zero codes in every block (decodes to NaN)."""
+    gen = torch.Generator().manual_seed(71)
+    kv, score, ape, w = compress_inputs([16], 128, 4, gen)
+    kv[3 + 4, 128 + 5] = float("nan")          # token 3 of block 1, current-block half: only entry 1
+    table = rope_cos_sin_table(32)
+    bt = torch.tensor([[0]], dtype=torch.int32)
+    cache = new_cache(1, 16, 128, "mxfp4")
+    with registry.use({"*": "torch"}):
+        kv_compress_prefill(kv, score, ape, w, table, make_cu([16]), bt, cache)
+    vals, sf = ref.paged_views(cache, 128)
+    assert (sf[0, 1] == 0xFF).all() and (vals[0, 1] == 0).all()
+    assert (sf[0, [0, 2, 3]] != 0xFF).all()
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_compressor_nan_entry_matches_reference(cuda_device):
+    gen = torch.Generator().manual_seed(72)
+    lens = [4099, 2050]
+    kv, score, ape, w = compress_inputs(lens, 128, 4, gen)
+    kv = torch.randint(-8, 9, kv.shape, generator=gen).float()        # order-independent fp32 math (as the
+    score[:] = float("-inf")                                           # bit-exact test): one-hot pooling
+    score[3::4, 128:] = torch.randn(score[3::4, 128:].shape, generator=gen)   # one finite row per channel
+    kv[3 + 4 * 17, 128 + 9] = float("nan")                                   # entry 17 of sequence 0
+    # entry 5 of sequence 1 (it starts at token 4099 = 3 mod 4, so its one-hot rows are its local
+    # position 0 of each block: the Inf must sit on that row; a -inf-score row carries no weight)
+    kv[4099 + 4 * 5, 128 + 1] = float("inf")
+    dev = cuda_device
+    kv, score, ape, w = (t.to(dev) for t in (kv, score, ape, w))
+    table = rope_cos_sin_table(max(lens) + 1, device=dev)
+    cu = make_cu(lens).to(dev)
+    bt = torch.arange(2 * 80, dtype=torch.int32).view(2, 80).to(dev)
+
+    def run():
+        c = new_cache(160, 16, 128, "mxfp4", dev)
+        kv_compress_prefill(kv, score, ape, w, table, cu, bt, c)
+        return c
+    a, b = _cuda_vs_ref(run, run)
+    assert torch.equal(a, b)
+    _, sf = ref.paged_views(a, 128)
+    assert (sf[1, 1] == 0xFF).all() and (sf[80, 5] == 0xFF).all()          # entry 17 = page 1 off 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["q", "bf16"])
 @pytest.mark.parametrize("d,ratio", CONFIGS)
@@ -601,7 +743,8 @@ def test_gpu_decode_matches_reference_decode(d, ratio, cuda_device):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture(cuda_device):
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_gpu_cuda_graph_capture(kind, cuda_device):
     gen = torch.Generator().manual_seed(80)
     cache = new_cache(64, 64, 512, "fp8_ds_mla", cuda_device)
     x = outlier_kv(128, gen).to(cuda_device)
@@ -609,6 +752,7 @@ def test_gpu_cuda_graph_capture(cuda_device):
     bt = torch.arange(64, dtype=torch.int32, device=cuda_device).view(1, -1)
     idx = (torch.arange(256, dtype=torch.int32, device=cuda_device) * 3 % 384).view(2, 128)
     req = torch.zeros(2, dtype=torch.int32, device=cuda_device)
+    lens = torch.full((1,), 384, dtype=torch.int32, device=cuda_device)
     ks, ss = new_compress_state(4, 4, 512, cuda_device)
     kvd = torch.randn(4, 1024, device=cuda_device)
     sc = torch.randn(4, 1024, device=cuda_device)
@@ -617,16 +761,16 @@ def test_gpu_cuda_graph_capture(cuda_device):
     table = rope_cos_sin_table(128, device=cuda_device)
     pos = torch.tensor([3, 7, 11, 2], device=cuda_device)
     bt4 = bt.expand(4, -1).contiguous()
-    with registry.use({"*": "cuda"}):
+    with registry.use({"*": "cuda", "kv_cache_append": kind, "kv_gather": kind}):
         kv_cache_append(cache, x, slots)
-        kv_gather(cache, bt, idx, req_idx=req)
+        kv_gather(cache, bt, idx, lens=lens, req_idx=req)
         k2, s2 = new_compress_state(4, 4, 512, cuda_device)
         kv_compress_decode(kvd, sc, ape, w, table, pos, bt4, cache, k2, s2)    # load modules before capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             kv_cache_append(cache, x, slots)
-            out = kv_gather(cache, bt, idx, req_idx=req)
+            out = kv_gather(cache, bt, idx, lens=lens, req_idx=req)
             kv_compress_decode(kvd, sc, ape, w, table, pos, bt4, cache, ks, ss)
         g.replay()
         torch.cuda.synchronize()

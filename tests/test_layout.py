@@ -94,3 +94,21 @@ def test_every_op_has_a_documented_spec():
         assert (ROOT / "docs" / "layouts" / f"{op.name}.md").exists(), op.name
         for ts in s.inputs + s.outputs:
             assert ts.dtypes and ts.shape, (op.name, ts.name)
+
+
+def test_spec_module_does_not_import_the_registry():
+    """issue 17 item 5: dsv4/layout.py <-> dsv4/registry.py was an import circle (docs writing
+    lived in the spec module); the registry imports the spec module, never the reverse."""
+    import ast
+    tree = ast.parse((ROOT / "dsv4" / "layout.py").read_text())
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            names.add((n.level, n.module or ""))
+        elif isinstance(n, ast.Import):
+            names.update((0, a.name) for a in n.names)
+    assert not any(m in ("registry", "dsv4.registry", "layout_docs", "dsv4.layout_docs") for _, m in names), names
+    r = subprocess.run([sys.executable, "-c", "import sys, dsv4.layout; print('dsv4.registry' in sys.modules)"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr
+

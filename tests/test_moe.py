@@ -98,6 +98,71 @@ def test_w13_tile_permutation_is_plain_concat():
     assert torch.equal(tile[1, 1], I + 64 + torch.arange(64))
 
 
+def test_reference_undoes_the_prepared_layout_with_its_own_code():
+    """The oracle's prepared-W13 row order (dsv4/reference/moe.py, written from the documented layout)
+    equals the op's permutation, and the reference does not import it (issue 17 item 5)."""
+    import inspect
+
+    import dsv4.reference.moe as R
+    for I in (128, 256, 1024):
+        assert R.prepared_w13_rows(I) == moe.w13_tile_permutation(I).tolist()
+        w = torch.randn(2, 2 * I, 3)
+        assert torch.equal(R._unpermute_w13(w[:, moe.w13_tile_permutation(I)], I), w)
+    src = inspect.getsource(R)
+    assert "import w13_tile_permutation" not in src and "w13_tile_permutation(" not in src
+
+
+def _bad_grouping(R, E):
+    """A grouping whose experts 0..2 own disjoint valid ranges (expert 2's count runs past R) and
+    whose experts 3..6 carry bad metadata (negative start, start past R, negative count, start -5
+    with a count reaching into the valid rows)."""
+    starts = torch.tensor([0, 10, 30, -1, R + 7, 5, -5][:E], dtype=torch.int32)
+    counts = torch.tensor([10, 20, 10 ** 7, 4, 3, -4, R + 10][:E], dtype=torch.int32)
+    return starts, counts
+
+
+@pytest.mark.parametrize("act", ["fp8", "bf16"])
+def test_grouped_gemm_refs_bad_grouping_rule(act):
+    """Bad row_start / row_count in the torch oracles follow the kernels' rule (clamped to [0, R),
+    an expert with a start outside [0, R) or a count <= 0 has no rows): by value vs the same GEMMs on
+    the clean grouping (expert 2 = rows [30, R))."""
+    E, D, I, R = 7, 256, 128, 45
+    ck = make_weights(E, D, I)
+    W = prep(ck, "mxfp4")
+    x = make_x(R, D)
+    from dsv4.formats import quantize_fp8_block
+    a, a_s = quantize_fp8_block(x, 128, "ue8m0") if act == "fp8" else (x, None)
+    rw = torch.rand(R) + 0.5
+    bs, bc = _bad_grouping(R, E)
+    cs = torch.tensor([0, 10, 30, 0, 0, 0, 0], dtype=torch.int32)
+    cc = torch.tensor([10, 20, R - 30, 0, 0, 0, 0], dtype=torch.int32)
+    pos = torch.arange(R, dtype=torch.int64)
+    out = {}
+    for name, (st_, cn_) in {"bad": (bs, bc), "clean": (cs, cc)}.items():
+        g = moe.MoEGrouped(a, a_s, st_, cn_, rw, pos)
+        h, h_s = moe.moe_gemm1_swiglu(g, W)
+        y = moe.moe_gemm2(h, h_s, g, W)
+        out[name] = (h, h_s, y)
+    hb, hsb, yb = out["bad"]
+    hc, hsc, yc = out["clean"]
+    assert torch.equal(hb.view(torch.uint8) if act == "fp8" else hb, hc.view(torch.uint8) if act == "fp8" else hc)
+    assert torch.equal(yb, yc) and bool(yc.abs().sum(1).gt(0).all())
+
+
+def test_grouped_dropped_counts_bad_ids_on_the_device():
+    E, D, T, k = 5, 256, 12, 3
+    x = make_x(T, D)
+    idx, w = random_routing(T, E, k)
+    idx[0, 1], idx[3, 0], idx[7, 2], idx[8, 0] = E, -1, 1 << 30, -(1 << 31)
+    for layout in ("contiguous", "masked"):
+        g = moe.moe_permute(x, idx, w, E, layout=layout, max_m=T)
+        n = g.dropped()
+        assert n.dtype == torch.int64 and n.dim() == 0 and int(n) == 4
+        assert int(g.row_count.sum()) == T * k - 4
+    g = moe.moe_permute(x, idx, w, E, layout="masked", max_m=1)      # masked overflow drops count too
+    assert int(g.dropped()) == T * k - int(g.row_count.sum())
+
+
 def test_prepare_layout_and_describe():
     ck = make_weights(3, 256, 128)
     W = prep(ck, "mxfp4")
@@ -130,6 +195,20 @@ def test_global_scale_shapes_enforced():
         prep(dict(ck, w13_global=ck["w13_global"][:, 0]), "nvfp4")  # no separate gate / up
     with pytest.raises(LayoutError, match="global"):
         prep(dict(ck, w2_global=None), "nvfp4")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_global_scales_rejected(bad):
+    """Same class as issue 19 item 4 (dequant_fp4's NaN global_scale): a non-finite per-expert global
+    scale is refused at prepare time, naming the argument (before: accepted, the expert became NaN)."""
+    ck = make_weights(3, 256, 128, fmt="nvfp4")
+    for name in ("w13_global", "w2_global"):
+        kw = dict(ck)
+        g = kw[name].clone()
+        g.view(-1)[1] = bad
+        kw[name] = g
+        with pytest.raises(ValueError, match=name):
+            prep(kw, "nvfp4")
 
 
 def test_raw_uint8_scales_rejected_and_byte_views_exact():
@@ -371,6 +450,18 @@ def test_gpu_layer_matches_reference(fmt, act, layout, kver):
     err = _rel(out, ref)
     print(f"\n[moe gpu {kver}] {fmt} {act} {layout}: rel err {err:.3e}")
     assert err < (1e-2 if act == "fp8" else 3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,act,layout", [("mxfp4", "fp8", "contiguous"), ("nvfp4", "fp8", "masked"),
+                                            ("mxfp4", "bf16", "masked"), ("nvfp4", "bf16", "contiguous")])
+def test_gpu_small_layer_every_variant(fmt, act, layout, kver):
+    """Small shapes (the compute-sanitizer subset, tests/conftest.py SANITIZE): both weight formats x
+    both activations of the grouped GEMM kernels, both layouts, prefill-sized groups, vs the
+    checkpoint-layout reference."""
+    pow2 = fmt == "nvfp4" and act == "fp8"
+    out, ref, *_ = _gpu_case(fmt, act, layout, E=5, D=512, I=256, T=96, k=4, pow2_nvfp4=pow2, prov=kver)
+    assert _rel(out, ref) < (1e-2 if act == "fp8" else 3e-3)
 
 
 def _maxrel(a, b):

@@ -7,11 +7,18 @@ raises), registry wiring, the launch heuristic, and CPU compile checks of every 
 (PTX patterns).
 GPU (@pytest.mark.gpu): the CuTe DSL kernels against the torch references bit for bit (sort
 order, FP8 bytes, scales, weights, combine sums), at DSV4 shapes and edge sizes, bad ids on the
-device (the context survives), CUDA-graph capture of the whole glue.
+device (the context survives), CUDA-graph capture of the whole glue, and bad expert ids / positions /
+grouping metadata through every provider of every MoE op in a child process (a device fault there
+cannot take the test process with it).
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -447,3 +454,148 @@ def test_gpu_glue_graph_capture():
             want = run()
             torch.cuda.synchronize()
             assert torch.equal(out, want)
+
+
+# ------------------------------------------------------------------------------------- bad input on CUDA
+def _bad_ids_cases(dev="cuda", glues=("dsl", "torch"), gemms=("cuda", "dsl", "torch"), acts=("fp8", "bf16"),
+                   parts=("experts", "route", "combine", "gemm")) -> dict:
+    """Every given provider of the MoE ops on ``dev`` with out-of-range expert ids (moe_experts /
+    moe_permute), hash-layer ids (moe_route), positions (moe_combine) and grouping metadata (the
+    grouped GEMMs), checked by value against the CPU references: ``{case: {"ok", "info"}}``.
+    The child-process body of ``test_gpu_bad_expert_ids_every_provider_subprocess`` (and, torch
+    only, of the CPU test); ``acts`` / ``parts`` select a subset (GPU jobs split it over processes)."""
+    from dsv4.formats import quantize_mxfp4
+    res = {}
+
+    def case(name, fn):
+        try:
+            ok, info = fn()
+            res[name] = {"ok": bool(ok), "info": info}
+        except Exception as e:  # noqa: BLE001 - report every case
+            res[name] = {"ok": False, "info": f"{type(e).__name__}: {str(e)[:300]}"}
+
+    E, D, I, T, k = 6, 256, 128, 24, 3
+    g = torch.Generator().manual_seed(3)
+    a13, s13 = quantize_mxfp4(torch.randn(E, 2 * I, D, generator=g) * 0.02)
+    a2, s2 = quantize_mxfp4(torch.randn(E, D, I, generator=g) * 0.02)
+    W = moe.moe_prepare_weights(a13.to(dev), s13.to(dev), a2.to(dev), s2.to(dev), fmt="mxfp4")
+    x = _x(T, D, 4).nan_to_num(0.0, 0.0, 0.0)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g) + 0.1
+    bad = idx.clone()
+    bad[0, 1], bad[3, 0], bad[7, 2], bad[9, 1] = E, -1, 1 << 30, -(1 << 31)
+    keep = w.clone()
+    keep[0, 1] = keep[3, 0] = keep[7, 2] = keep[9, 1] = 0.0
+    for act in (acts if "experts" in parts else ()):
+        ref = moe_layer_ref(x, a13, s13, a2, s2, fmt="mxfp4", act=act, topk_idx=idx, topk_w=keep)
+        tol = 1e-2 if act == "fp8" else 3e-3
+        for glue in glues:
+            for gemm in gemms:
+                for layout, idt in (("contiguous", torch.int32), ("masked", torch.int64)):
+                    def run(glue=glue, gemm=gemm, layout=layout, idt=idt, act=act, ref=ref, tol=tol):
+                        b = bad.to(idt)
+                        if idt == torch.int64:
+                            b[11, 0] = 1 << 40
+                        with registry.use(moe_permute=glue, moe_combine=glue, moe_gemm1_swiglu=gemm, moe_gemm2=gemm):
+                            gr = moe.moe_permute(x.to(dev), b.to(dev), w.to(dev), E, act=act, layout=layout, max_m=T)
+                            out = moe.moe_experts(x.to(dev), b.to(dev), w.to(dev), W, act=act, layout=layout, max_m=T)
+                        kb = keep.clone()
+                        if idt == torch.int64:
+                            kb[11, 0] = 0.0
+                        r = ref if idt == torch.int32 else moe_layer_ref(x, a13, s13, a2, s2, fmt="mxfp4", act=act,
+                                                                         topk_idx=idx, topk_w=kb)
+                        err = ((out.cpu() - r).norm() / r.norm()).item()
+                        nd = int(gr.dropped())
+                        want = 4 + (idt == torch.int64)
+                        return err < tol and nd == want, f"rel {err:.2e} dropped {nd}/{want}"
+                    case(f"experts-{act}-glue_{glue}-gemm_{gemm}-{layout}", run)
+
+    V = 50
+    gw = torch.randn(E, D, generator=g) * 0.05
+    tid2eid = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(V)])
+    tid2eid[4, 1], tid2eid[5, 0] = E, -2
+    ids = torch.randint(0, V, (T,), generator=g)
+    ids[1], ids[2], ids[6], ids[8] = V, -1, 1 << 40, 4
+    ri, rwt = route_ref(x.float(), gw, None, ids, tid2eid, k, 1.5)
+    for glue in (glues if "route" in parts else ()):
+        def run_route(glue=glue):
+            with registry.use(moe_route=glue):
+                i2, w2 = moe.moe_route(x.to(dev), gw.to(dev), topk=k, input_ids=ids.to(dev), tid2eid=tid2eid.to(dev))
+            ok = torch.equal(i2.cpu(), ri) and torch.allclose(w2.cpu(), rwt, rtol=1e-5, atol=1e-6)
+            return ok and bool((ri[[1, 2, 6]] < 0).all()) and int(ri[8, 1]) == -1, f"dropped slots {int((i2 < 0).sum())}"
+        case(f"route-hash-{glue}", run_route)
+
+    R = 50
+    y = torch.randn(R, D, generator=g)
+    pos = torch.randperm(T * k, generator=g) % R
+    pos[:6] = torch.tensor([R, R + 7, -5, 1 << 40, -(1 << 40), -1])
+    want = combine_ref(y, pos, T, k)
+    for glue in (glues if "combine" in parts else ()):
+        def run_combine(glue=glue):
+            with registry.use(moe_combine=glue):
+                out = moe.moe_combine(y.to(dev), pos.to(dev), T, k)
+            return torch.equal(out.cpu(), want), f"max diff {(out.cpu() - want).abs().max().item():.2e}"
+        case(f"combine-bad-pos-{glue}", run_combine)
+
+    Rg, Eg = 70, 7              # 10 rows per expert on average: the decode kernel's 16-token chunks, as above
+    starts = torch.tensor([0, 10, 30, -1, Rg + 7, 5, -5], dtype=torch.int32)
+    counts = torch.tensor([10, 20, 10 ** 7, 4, 3, -4, Rg + 10], dtype=torch.int32)
+    cst = torch.tensor([0, 10, 30, 0, 0, 0, 0], dtype=torch.int32)
+    ccn = torch.tensor([10, 20, Rg - 30, 0, 0, 0, 0], dtype=torch.int32)
+    g7 = torch.Generator().manual_seed(7)
+    b13, t13 = quantize_mxfp4(torch.randn(Eg, 2 * I, D, generator=g7) * 0.02)
+    b2, t2 = quantize_mxfp4(torch.randn(Eg, D, I, generator=g7) * 0.02)
+    W7 = moe.moe_prepare_weights(b13.to(dev), t13.to(dev), b2.to(dev), t2.to(dev), fmt="mxfp4")
+    xg = _x(Rg, D, 8).nan_to_num(0.0, 0.0, 0.0).to(dev)
+    rw = (torch.rand(Rg, generator=g7) + 0.5).to(dev)
+    for act in (acts if "gemm" in parts else ()):
+        a, a_s = quantize_fp8_block(xg, 128, "ue8m0") if act == "fp8" else (xg, None)
+        for prov in gemms:
+            def run_gemm(prov=prov, a=a, a_s=a_s):
+                outs = []
+                for st_, cn_ in ((starts, counts), (cst, ccn)):
+                    gg = moe.MoEGrouped(a, a_s, st_.to(dev), cn_.to(dev), rw, torch.arange(Rg, device=dev))
+                    with registry.use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
+                        h, h_s = moe.moe_gemm1_swiglu(gg, W7)
+                        outs.append((h.view(torch.uint8) if h.dtype == torch.float8_e4m3fn else h, moe.moe_gemm2(h, h_s, gg, W7)))
+                (hb, yb), (hc, yc) = outs
+                return torch.equal(hb, hc) and torch.equal(yb, yc), f"|y| {yc.abs().sum().item():.3g}"
+            case(f"gemm-bad-grouping-{act}-{prov}", run_gemm)
+
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    res["context-alive"] = {"ok": torch.ones(4, device=dev).sum().item() == 4.0, "info": ""}
+    return res
+
+
+def _bad_ids_child():
+    print("BADIDS_JSON " + json.dumps(_bad_ids_cases()))
+
+
+def _report(res, n_cases):
+    print("\n".join(f"{'ok  ' if v['ok'] else 'FAIL'} {name}: {v['info']}" for name, v in res.items()))
+    failed = {name: v["info"] for name, v in res.items() if not v["ok"]}
+    assert len(res) == n_cases and not failed, failed
+
+
+def test_bad_expert_ids_every_case_cpu():
+    """The bad-input cases of the GPU test below through the torch providers on the CPU."""
+    _report(_bad_ids_cases("cpu", ("torch",), ("torch",)), 4 + 1 + 1 + 2 + 1)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_expert_ids_every_provider_subprocess():
+    """Issue 19 item 3 on CUDA: out-of-range expert ids, hash ids, positions and grouping metadata
+    through every provider (dsl / torch glue x cuda / dsl / torch GEMMs) are dropped or clamped as
+    documented, by value, and the CUDA context survives; run in a child process so that a device-side
+    assert or fault there is a failed test, not a dead test process."""
+    _dsl_or_skip()
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    r = subprocess.run([sys.executable, "-c", "import test_moe_glue as t; t._bad_ids_child()"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"child process died (rc={r.returncode}; a device fault?): {r.stderr[-3000:]}"
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("BADIDS_JSON ")][-1]
+    # experts: 2 acts x 2 glues x 3 GEMM providers x 2 layouts; route, combine: 2 glues; GEMMs: 2 acts x 3
+    _report(json.loads(line[len("BADIDS_JSON "):]), 24 + 2 + 2 + 6 + 1)

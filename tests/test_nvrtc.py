@@ -40,28 +40,28 @@ def test_sm90_without_a_is_rejected_for_wgmma(tmp_cache, tmp_path, monkeypatch):
 
 
 def test_cubin_cache_hit_key_and_corruption(tmp_cache):
-    m = nvrtc.CudaModule("dequant_fp4.cu", (("DSV4_FMT", "1"), ("DSV4_OUT", "0")))
+    m = nvrtc.CudaModule("kv_cache.cu", (("KVC_FMT", "1"),))
     a = m.cubin()
     files = sorted(tmp_cache.glob("*.cubin"))
     assert len(files) == 1
     meta = json.loads(files[0].with_suffix(".json").read_text())
     assert meta["sha256"] == hashlib.sha256(a).hexdigest() and meta["arch"] == "sm_90a"
     # different macros -> different key
-    m2 = nvrtc.CudaModule("dequant_fp4.cu", (("DSV4_FMT", "0"), ("DSV4_OUT", "0")))
+    m2 = nvrtc.CudaModule("kv_cache.cu", (("KVC_FMT", "0"),))
     assert m2.key() != m.key()
     m2.cubin()
     assert len(list(tmp_cache.glob("*.cubin"))) == 2
     # corrupt entry -> recompiled and rewritten
     files[0].write_bytes(b"garbage")
-    b = nvrtc.CudaModule("dequant_fp4.cu", (("DSV4_FMT", "1"), ("DSV4_OUT", "0"))).cubin()
+    b = nvrtc.CudaModule("kv_cache.cu", (("KVC_FMT", "1"),)).cubin()
     assert b == a and files[0].read_bytes() == a
     assert not list(tmp_cache.glob("*.tmp"))
 
 
 def test_key_depends_on_nvrtc_version_and_arch(tmp_cache, monkeypatch):
-    m = nvrtc.CudaModule("dequant_fp4.cu")
+    m = nvrtc.CudaModule("kv_cache.cu")
     k1 = m.key()
-    assert nvrtc.CudaModule("dequant_fp4.cu", arch="sm_100a").key() != k1
+    assert nvrtc.CudaModule("kv_cache.cu", arch="sm_100a").key() != k1
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (99, 0))
     assert m.key() != k1
 

@@ -1,19 +1,20 @@
 """quantize_nvfp4 / quantize_mxfp4 / quantize_fp8_block / dequantize_fp8_block.
 
 CPU (CI):
-* every macro variant of ``kernels_cuda/quantize.cu`` compiles for sm_90a; PTX uses 16-byte
-  vector loads/stores, packed max.u16x2 amax, cvt.rn.satfinite.e4m3x2; ptxas reports no spills;
 * the kernel arithmetic, emulated in numpy fp32 line by line (magic-add E2M1 rounding,
-  2688/amax global scale, Markstein-corrected x/s), is bit-exact with
-  ``dsv4.formats`` on exhaustive bf16/fp16 sweeps and on data with outliers, zero blocks,
-  NaN/Inf -- this pins the algorithm before any GPU time is spent;
+  2688/amax global scale, Markstein-corrected x/s, the OCP MX NaN / Inf block rule), is bit-exact
+  with ``dsv4.formats`` on exhaustive bf16/fp16 sweeps and on data with outliers, zero blocks,
+  NaN/Inf -- this pins the algorithm before any GPU time is spent; the DSL encoder's bit model
+  (``kernels_dsl/sm90/fp4.py``) likewise; the CuTe DSL kernels' sm_90a compile checks live in
+  tests/test_compile_dsl.py (and, while ``kernels_cuda/quantize.cu`` exists, every NVRTC macro
+  variant compiles here with 16-byte vector loads/stores and no spills);
 * argument validation (names the argument), registry behaviour, torch.library opcheck, and
-  a source check that the cuda provider has no host sync.
+  a source check that the GPU providers have no host sync.
 
-GPU (``-m gpu``, H200): every kernel bit-exact (byte views, ``torch.equal``) against the torch
-reference run on the same GPU, at [8192, 8192], decode shapes [1..128, 7168], odd M for the
-swizzled layout, outliers, all-zero rows, NaN/Inf, tiny/huge magnitudes; CUDA graph capture
-and replay.
+GPU (``-m gpu``, H200): every kernel of every GPU provider bit-exact (byte views) against the
+torch reference run on the same GPU, at [8192, 8192], decode shapes [1..128, 7168], odd M for the
+swizzled layout, outliers, all-zero rows, NaN/Inf (OCP MX rule, by value), tiny/huge magnitudes;
+every device-amax NVFP4 launch path; launch geometries; CUDA graph capture and replay.
 """
 from __future__ import annotations
 
@@ -128,12 +129,16 @@ def _pack(codes: np.ndarray) -> np.ndarray:
 
 
 def emu_nvfp4(x: np.ndarray, gdec=None):
-    """quantize.cu NVFP4 path in numpy: returns (data, scale bytes, g_dec, g_enc)."""
+    """The NVFP4 kernel path in numpy: returns (data, scale bytes, g_dec, g_enc). NaN rule (OCP MX):
+    a block with a NaN / Inf gets scale 0x7F and zero codes; a non-finite tensor amax gives NaN g."""
     M, K = x.shape
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        gnan = False
         if gdec is None:
             amax = _finite_absmax(x, None)
+            gnan = not np.isfinite(x).all()
             g_enc = np.fmin((f32(2688) / amax).astype(f32), FLT_MAX).astype(f32) if amax > 0 else f32(1)
+            g_enc = f32(np.nan) if gnan else g_enc
             g_dec = (f32(1) / g_enc).astype(f32)
         else:
             g_dec = f32(gdec)
@@ -147,7 +152,9 @@ def emu_nvfp4(x: np.ndarray, gdec=None):
         enc = np.fmin((f32(1) / (s * g_dec).astype(f32)).astype(f32), FLT_MAX)
         codes = emu_e2m1((blk * enc[..., None]).astype(f32))
     codes = np.where((s == 0)[..., None], codes & 8, codes)
-    return _pack(codes.reshape(M, K)), sb.view(np.uint8), g_dec, g_enc
+    bad = ~np.isfinite(blk).all(-1) | gnan
+    codes = np.where(bad[..., None], 0, codes)
+    return _pack(codes.reshape(M, K)), np.where(bad, 0x7F, sb.view(np.uint8)).astype(np.uint8), g_dec, g_enc
 
 
 def emu_mxfp4(x: np.ndarray, rule: str):
@@ -167,7 +174,9 @@ def emu_mxfp4(x: np.ndarray, rule: str):
         inv = np.where(-e == -127, np.uint32(0x00400000), ((127 - e) << 23).astype(np.uint32)).astype(np.uint32).view(f32)
     with np.errstate(over="ignore", invalid="ignore"):
         codes = emu_e2m1((blk * inv[..., None]).astype(f32))
-    return _pack(codes.reshape(M, K)), byte.astype(np.uint8)
+    bad = ~np.isfinite(blk).all(-1)                      # OCP MX: NaN / Inf block -> 0xFF, zero codes
+    codes = np.where(bad[..., None], 0, codes)
+    return _pack(codes.reshape(M, K)), np.where(bad, 0xFF, byte).astype(np.uint8)
 
 
 def emu_fp8(x: np.ndarray, block: int, fmt: str):
@@ -235,6 +244,35 @@ def test_emulated_packed_fast_encoder_matches_per_element():
     codes = emu_e2m1(y).astype(np.uint32)
     want = (codes << (np.arange(8, dtype=np.uint32) * 4)).sum(axis=-1, dtype=np.uint64).astype(np.uint32)
     np.testing.assert_array_equal(emu_e2m1x8_fast(y), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dsl_e2m1x8_encoder_model_exhaustive(dtype):
+    """kernels_dsl/sm90/fp4.py e2m1x8_encode (the DSL quantizers' encoder, magnitudes by magic add +
+    signs by prmt from the input words), bit model: every finite bf16 / fp16 value times several
+    encode multipliers (powers of two, E4M3-derived, tiny / huge) equals dsv4.formats.e2m1_encode."""
+    from kernels_dsl.sm90.fp4 import model_e2m1x8_encode
+    x = _all_bits(dtype)
+    x = x[torch.isfinite(x.float())]
+    x = x[: x.numel() // 8 * 8]
+    h = x.view(torch.int16).to(torch.int32).numpy().astype(np.int64) & 0xFFFF
+    words = (h[0::2] | (h[1::2] << 16)).reshape(-1, 4)
+    rng = np.random.default_rng(2)
+    for enc in (1.0, 0.5, 2.0 ** -20, 2.0 ** 30, float(f32(1) / f32(3.25)), float(f32(6) / f32(448) * f32(1.7))):
+        rows = words[rng.choice(len(words), 600, replace=False)]
+        for w in rows:
+            got = model_e2m1x8_encode([int(v) for v in w], enc, fp16=dtype == torch.float16)
+            halves = torch.tensor([(int(v) >> (16 * k)) & 0xFFFF for v in w for k in (0, 1)], dtype=torch.int32)
+            xv = halves.to(torch.int16).view(dtype).float() * torch.tensor(enc, dtype=torch.float32)
+            codes = F.e2m1_encode(xv.clamp(-6, 6))
+            want = sum(int(c) << (4 * i) for i, c in enumerate(codes.tolist()))
+            assert got == want, (hex(got), hex(want), w, enc)
+    # the sign spread (4 prmt + shift + masks), exhaustively on every word of the sweep
+    from kernels_dsl.sm90.fp4 import model_e2m1x8_signs
+    sg = (h >> 15) & 1
+    want = (sg.reshape(-1, 8) << (np.arange(8) * 4 + 3)).sum(-1)
+    got = np.array([model_e2m1x8_signs(*[int(v) for v in w]) for w in words])
+    np.testing.assert_array_equal(got, want)
 
 
 def _swz_off(m, k, Kt):
@@ -386,7 +424,8 @@ def test_public_api_matches_formats_on_cpu():
     for layout in ("linear", "swizzled"):
         t, r = quantize_nvfp4(x, sf_layout=layout), F.quantize_nvfp4(x, sf_layout=layout)
         assert torch.equal(t.data, r.data) and torch.equal(t.scale.view(torch.uint8), r.scale.view(torch.uint8))
-        assert torch.equal(t.global_scale, r.global_scale) and t.global_scale.dim() == 0
+        assert torch.equal(t.global_scale, r.global_scale) or (t.global_scale.isnan() and r.global_scale.isnan())
+        assert t.global_scale.dim() == 0
     d, s = quantize_mxfp4(x.reshape(2, 65, 256), rule="ocp")
     rd, rs = F.quantize_mxfp4(x.reshape(2, 65, 256), "ocp")
     assert torch.equal(d, rd) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
@@ -397,28 +436,57 @@ def test_public_api_matches_formats_on_cpu():
     assert torch.equal(y.nan_to_num(), F.dequantize_fp8_block(rq, rs, 64).nan_to_num())
 
 
-def test_registry_cuda_provider_refuses_cpu_and_fp32():
+def test_registry_gpu_providers_refuse_cpu_and_fp32():
     t = Target.of("cpu")
+    hop = Target("cuda", "sm_90a", "H200", 132, 0)
     for name in OPS:
         op = registry.get_op(name)
         rows = {r["provider"]: r for r in op.table(t)}
         assert rows["torch"]["chosen"]
-        assert not rows["cuda"]["ok"]
-    from kernels_cuda.quantize import CudaQuantizeNvfp4
-    p = CudaQuantizeNvfp4(registry.get_op("quantize_nvfp4"))
-    hop = Target("cuda", "sm_90a", "H200", 132, 0)
-    assert not p.supports({"in_dtype": "float32", "K": 64, "sf_layout": "linear", "global_scale": False}, hop)
-    assert p.supports({"in_dtype": "bfloat16", "K": 64, "sf_layout": "linear", "global_scale": False}, hop)
+        for kind in ("dsl", "cuda"):
+            if kind in rows:
+                assert not rows[kind]["ok"], (name, kind, rows[kind])
+    p = registry.get_op("quantize_nvfp4").provider("dsl")
+    if not isinstance(p, registry.Support):
+        import kernels_dsl.quantize as kq
+        prob = {"in_dtype": "float32", "K": 64, "sf_layout": "linear", "global_scale": False, "M": 4}
+        assert not p.supports(prob, hop)                         # fp32 input: the kernels read bf16/fp16
+        assert not p.supports(dict(prob, in_dtype="bfloat16"), Target("cuda", "sm_100a", "B200", 148, 0))
+        if kq.VALIDATED["quantize_nvfp4"]:
+            assert p.supports(dict(prob, in_dtype="bfloat16"), hop)
     with registry.use(quantize_mxfp4="cuda"):
         with pytest.raises(ProviderUnavailableError, match="cuda"):
             quantize_mxfp4(torch.randn(2, 64, dtype=torch.bfloat16))
+    with registry.use(quantize_mxfp4="dsl"):
+        with pytest.raises(ProviderUnavailableError, match="dsl"):
+            quantize_mxfp4(torch.randn(2, 64, dtype=torch.bfloat16))
 
 
-def test_cuda_provider_has_no_host_sync():
-    import kernels_cuda.quantize as kq
+@pytest.mark.parametrize("module", ["kernels_dsl.quantize", "kernels_cuda.quantize"])
+def test_gpu_providers_have_no_host_sync(module):
+    import importlib
+    try:
+        kq = importlib.import_module(module)
+    except ModuleNotFoundError:
+        pytest.skip(f"{module} does not exist")
     src = inspect.getsource(kq)
     for bad in (".item(", ".cpu(", ".tolist(", "synchronize(", ".numpy(", "nonzero(", "bool("):
         assert bad not in src, bad
+
+
+@pytest.mark.parametrize("name,value", [("DSV4_QUANT_GRID_SYNC", "yes"), ("DSV4_QUANT_REVERSE", "2"),
+                                        ("DSV4_QUANT_FUSED_MAX_CHUNKS", "-1")])
+def test_dsl_tuning_env_validated_at_import(name, value):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
+    env.update({name: value, "PYTHONPATH": str(root)})
+    r = subprocess.run([sys.executable, "-c", "import kernels_dsl.quantize"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "ValueError" in r.stderr and name in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name,args", [
@@ -436,7 +504,50 @@ def test_torch_library_opcheck(name, args):
 gpu = pytest.mark.gpu
 
 
-def _eq(a: torch.Tensor, b: torch.Tensor, what: str):
+def _kinds(op: str) -> list:
+    """The GPU provider kinds of ``op`` that exist (CuTe DSL first)."""
+    o = registry.get_op(op)
+    return [k for k in ("dsl", "cuda") if not isinstance(o.provider(k), registry.Support)]
+
+
+KINDS = ("dsl", "cuda")
+
+
+def _need(op: str, kind: str):
+    if kind not in _kinds(op):
+        pytest.skip(f"no {kind} provider for {op}")
+
+
+def _tuning(kind: str):
+    """The launch-tuning dict of a provider module (never changes results)."""
+    if kind == "dsl":
+        import kernels_dsl.quantize as m
+    else:
+        import kernels_cuda.quantize as m
+    return m.TUNING
+
+
+class _tuned:
+    """Temporarily update a provider's TUNING."""
+
+    def __init__(self, kind, **over):
+        self.t, self.over = _tuning(kind), over
+
+    def __enter__(self):
+        self.old = dict(self.t)
+        self.t.update({k: v for k, v in self.over.items() if k in self.t})
+
+    def __exit__(self, *a):
+        self.t.clear()
+        self.t.update(self.old)
+
+
+def _eq(a: torch.Tensor, b: torch.Tensor, what: str, nan_ok: bool = False):
+    """Byte equality; ``nan_ok``: fp32 tensors where both sides may hold a NaN (any payload)."""
+    if nan_ok and a.dtype == torch.float32:
+        if torch.isnan(a).any() or torch.isnan(b).any():
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), f"{what}: NaN positions differ ({a} vs {b})"
+            a, b = torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)
     ab, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     if not torch.equal(ab, bb):
         bad = (ab != bb).nonzero()
@@ -444,15 +555,16 @@ def _eq(a: torch.Tensor, b: torch.Tensor, what: str):
         raise AssertionError(f"{what}: {bad.shape[0]} bytes differ; first at {i}: got {ab[i]:#x} want {bb[i]:#x}")
 
 
-def _check_nvfp4(x, layout, gdec=None):
+def _check_nvfp4(x, layout, gdec=None, kind="dsl"):
     gs = None if gdec is None else torch.tensor([gdec], dtype=torch.float32, device=x.device)
-    with registry.use(quantize_nvfp4="cuda"):
+    with registry.use(quantize_nvfp4=kind):
         got = quantize_nvfp4(x, global_scale=gs, sf_layout=layout)
     ref = F.quantize_nvfp4(x, None if gs is None else gs.reshape(()), sf_layout=layout)
-    _eq(got.data, ref.data, "data")
-    _eq(got.scale, ref.scale, "scale")
-    _eq(got.global_scale.reshape(1), ref.global_scale.reshape(1), "global_scale")
-    _eq(got.global_encode_scale.reshape(1), ref.global_encode_scale.reshape(1), "global_encode_scale")
+    _eq(got.data, ref.data, f"{kind} data")
+    _eq(got.scale, ref.scale, f"{kind} scale")
+    _eq(got.global_scale.reshape(1), ref.global_scale.reshape(1), f"{kind} global_scale", nan_ok=True)
+    _eq(got.global_encode_scale.reshape(1), ref.global_encode_scale.reshape(1), f"{kind} global_encode_scale",
+        nan_ok=True)
 
 
 NV_SHAPES = [(8192, 8192), (1, 7168), (2, 7168), (16, 7168), (64, 7168), (128, 7168), (127, 7168),
@@ -460,84 +572,125 @@ NV_SHAPES = [(8192, 8192), (1, 7168), (2, 7168), (16, 7168), (64, 7168), (128, 7
 
 
 @gpu
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", NV_SHAPES, ids=str)
 @pytest.mark.parametrize("layout", ["linear", "swizzled"])
-def test_gpu_nvfp4_bitexact(shape, layout):
+def test_gpu_nvfp4_bitexact(shape, layout, kind):
+    _need("quantize_nvfp4", kind)
     x = _data(*shape, seed=11, dtype=torch.bfloat16, specials=shape[0] % 2 == 1, device="cuda")
-    _check_nvfp4(x, layout)
-    _check_nvfp4(x, layout, gdec=0.00431)
+    _check_nvfp4(x, layout, kind=kind)
+    _check_nvfp4(x, layout, gdec=0.00431, kind=kind)
+
+
+#: device-amax NVFP4 launch paths: two launches (amax partials + quantize), one single-CTA launch,
+#: one grid-synchronized launch (DSL, tensors up to one CTA of 4 warps per SM)
+NV_PATHS = {"two-launch": dict(fused_max_chunks=0, grid_sync=0),
+            "single-cta": dict(fused_max_chunks=1 << 40, fused_swizzled=1, grid_sync=0),
+            "grid-sync": dict(fused_max_chunks=0, grid_sync=1)}
 
 
 @gpu
-@pytest.mark.parametrize("fused_max", [0, 1 << 40])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", list(NV_PATHS))
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_nvfp4_paths_specials_magnitudes(fused_max, case, dtype):
-    import kernels_cuda.quantize as kq
+def test_gpu_nvfp4_paths_specials_magnitudes(path, case, dtype, kind):
+    _need("quantize_nvfp4", kind)
+    if path == "grid-sync" and "grid_sync" not in _tuning(kind):
+        pytest.skip(f"{kind} has no grid-sync path")
     seed, specials, scale = case
     if dtype == torch.float16 and scale not in (1.0, 3e-3):
         pytest.skip("out of fp16 range")
     x = _data(300, 1024, seed, dtype, specials, scale, device="cuda")
-    old = kq.TUNING["fused_max_chunks"]
-    kq.TUNING["fused_max_chunks"] = fused_max
-    try:
+    with _tuned(kind, **NV_PATHS[path]):
         for layout in ("linear", "swizzled"):
-            _check_nvfp4(x, layout)
-    finally:
-        kq.TUNING["fused_max_chunks"] = old
+            _check_nvfp4(x, layout, kind=kind)
+            if not specials:
+                _check_nvfp4(x, layout, gdec=0.0021, kind=kind)
 
 
 @gpu
-def test_gpu_nvfp4_all_zero_and_reverse_off():
-    import kernels_cuda.quantize as kq
-    _check_nvfp4(torch.zeros(129, 256, dtype=torch.bfloat16, device="cuda"), "swizzled")
-    _check_nvfp4(torch.zeros(4096, 1024, dtype=torch.bfloat16, device="cuda"), "linear")
-    kq.TUNING["reverse"] = 0
-    try:
-        _check_nvfp4(_data(2048, 4096, 5, device="cuda"), "swizzled")
-    finally:
-        kq.TUNING["reverse"] = 1
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_nvfp4_all_zero_and_reverse_off(kind):
+    _need("quantize_nvfp4", kind)
+    _check_nvfp4(torch.zeros(129, 256, dtype=torch.bfloat16, device="cuda"), "swizzled", kind=kind)
+    _check_nvfp4(torch.zeros(4096, 1024, dtype=torch.bfloat16, device="cuda"), "linear", kind=kind)
+    with _tuned(kind, reverse=0, grid_sync=0):
+        _check_nvfp4(_data(2048, 4096, 5, device="cuda"), "swizzled", kind=kind)
+
+
+@gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_fp4_nan_inf_rule_by_value(kind):
+    """OCP MX rule (issue 19 item 13) on the kernels, by value: a NaN / Inf block decodes to NaN
+    (scale 0x7F / 0xFF, zero codes), its neighbours do not; a non-finite device amax -> NaN global."""
+    _need("quantize_mxfp4", kind)
+    x = torch.randn(4, 128, device="cuda").to(torch.bfloat16)
+    x[0, 5], x[1, 70], x[3, 127] = float("nan"), float("inf"), -float("inf")
+    with registry.use(quantize_mxfp4=kind):
+        d, s = quantize_mxfp4(x)
+    sb = s.view(torch.uint8).cpu()
+    bad = torch.zeros(4, 4, dtype=torch.bool)
+    bad[0, 0] = bad[1, 2] = bad[3, 3] = True
+    assert sb[bad].tolist() == [0xFF] * 3 and not (sb[~bad] == 0xFF).any()
+    deq = F.dequantize_mxfp4(d, s).reshape(4, 4, 32).cpu()
+    assert torch.isnan(deq[bad]).all() and torch.isfinite(deq[~bad]).all()
+    with registry.use(quantize_nvfp4=kind):
+        t = quantize_nvfp4(x, global_scale=torch.tensor([0.001], device="cuda"))
+        u = quantize_nvfp4(x)
+    nb = t.scale.view(torch.uint8).cpu().reshape(4, 8)
+    bad16 = torch.zeros(4, 8, dtype=torch.bool)
+    bad16[0, 0] = bad16[1, 4] = bad16[3, 7] = True
+    assert nb[bad16].tolist() == [0x7F] * 3 and not (nb[~bad16] == 0x7F).any()
+    deq = F.dequantize_nvfp4(t).reshape(4, 8, 16).cpu()
+    assert torch.isnan(deq[bad16]).all() and torch.isfinite(deq[~bad16]).all()
+    assert torch.isnan(u.global_scale).item() and (u.scale.view(torch.uint8) == 0x7F).all()
+    assert torch.isnan(F.dequantize_nvfp4(u)).all()
 
 
 MX_SHAPES = [(8192, 8192), (1, 7168), (16, 7168), (128, 7168), (129, 4096), (300, 1056)]
 
 
 @gpu
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", MX_SHAPES, ids=str)
 @pytest.mark.parametrize("rule", ["dsv4", "ocp"])
-def test_gpu_mxfp4_bitexact(shape, rule):
+def test_gpu_mxfp4_bitexact(shape, rule, kind):
+    _need("quantize_mxfp4", kind)
     for case in CASES if shape[0] == 300 else CASES[:2]:
         seed, specials, scale = case
         for dtype in (torch.bfloat16, torch.float16):
             if dtype == torch.float16 and (scale not in (1.0, 3e-3) or shape[0] == 8192):
                 continue
             x = _data(*shape, seed, dtype, specials, scale, device="cuda")
-            with registry.use(quantize_mxfp4="cuda"):
+            with registry.use(quantize_mxfp4=kind):
                 d, s = quantize_mxfp4(x, rule=rule)
             rd, rs = F.quantize_mxfp4(x, rule)
-            _eq(d, rd, f"data {case} {dtype}")
-            _eq(s, rs, f"scale {case} {dtype}")
+            _eq(d, rd, f"{kind} data {case} {dtype}")
+            _eq(s, rs, f"{kind} scale {case} {dtype}")
 
 
 FP8_SHAPES = [(8192, 8192), (1, 7168), (16, 7168), (128, 7168), (300, 1024)]
 
 
-def _check_fp8(x, block, fmt, sdt):
-    with registry.use(quantize_fp8_block="cuda"):
+def _check_fp8(x, block, fmt, sdt, kind="dsl"):
+    with registry.use(quantize_fp8_block=kind):
         q, s = quantize_fp8_block(x, block=block, scale_fmt=fmt, scale_dtype=sdt)
     rq, rs = F.quantize_fp8_block(x, block, fmt)
     nan = torch.isnan(x)
     qb, rqb = q.view(torch.uint8), rq.view(torch.uint8)
     assert ((qb[nan] & 0x7F) == 0x7F).all() and ((rqb[nan] & 0x7F) == 0x7F).all(), "NaN must stay E4M3 NaN"
-    _eq(torch.where(nan, 0x7F, qb).to(torch.uint8), torch.where(nan, 0x7F, rqb).to(torch.uint8), "q")
-    _eq(s, F.ue8m0_ceil(rs) if sdt == torch.float8_e8m0fnu else rs, "scale")
+    _eq(torch.where(nan, 0x7F, qb).to(torch.uint8), torch.where(nan, 0x7F, rqb).to(torch.uint8), f"{kind} q")
+    _eq(s, F.ue8m0_ceil(rs) if sdt == torch.float8_e8m0fnu else rs, f"{kind} scale")
     return q, s
 
 
 @gpu
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=str)
 @pytest.mark.parametrize("block", [128, 64, 32])
-def test_gpu_fp8_block_bitexact(shape, block):
+def test_gpu_fp8_block_bitexact(shape, block, kind):
+    _need("quantize_fp8_block", kind)
     cases = CASES if shape[0] == 300 else CASES[:2]
     for seed, specials, scale in cases:
         for dtype in (torch.bfloat16, torch.float16):
@@ -547,14 +700,16 @@ def test_gpu_fp8_block_bitexact(shape, block):
             for fmt, sdt in (("fp32", torch.float32), ("ue8m0", torch.float32), ("ue8m0", torch.float8_e8m0fnu)):
                 if shape[0] == 8192 and (dtype, fmt, sdt) != (torch.bfloat16, "fp32", torch.float32) and block != 128:
                     continue
-                _check_fp8(x, block, fmt, sdt)
+                _check_fp8(x, block, fmt, sdt, kind)
 
 
 @gpu
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", [(8192, 8192), (1, 7168), (128, 7168), (300, 1024)], ids=str)
 @pytest.mark.parametrize("block", [128, 64, 32])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_dequant_fp8_bitexact(shape, block, out_dtype):
+def test_gpu_dequant_fp8_bitexact(shape, block, out_dtype, kind):
+    _need("dequantize_fp8_block", kind)
     g = torch.Generator(device="cuda").manual_seed(3)
     qb = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)
     qb = torch.where((qb & 0x7F) == 0x7F, torch.zeros_like(qb), qb)                   # no NaN codes
@@ -562,25 +717,27 @@ def test_gpu_dequant_fp8_bitexact(shape, block, out_dtype):
     e = torch.randint(100, 150, (shape[0], shape[1] // block), dtype=torch.uint8, device="cuda", generator=g)
     s32 = F.ue8m0_decode(e.view(torch.float8_e8m0fnu)) * (1 + torch.rand(e.shape, device="cuda", generator=g))
     for scale in (s32, e.view(torch.float8_e8m0fnu)):
-        with registry.use(dequantize_fp8_block="cuda"):
+        with registry.use(dequantize_fp8_block=kind):
             y = dequantize_fp8_block(q, scale, block=block, out_dtype=out_dtype)
         sref = F.ue8m0_decode(scale) if scale.dtype == torch.float8_e8m0fnu else scale
-        _eq(y, F.dequantize_fp8_block(q, sref, block, out_dtype), f"dequant {scale.dtype}")
+        _eq(y, F.dequantize_fp8_block(q, sref, block, out_dtype), f"{kind} dequant {scale.dtype}")
 
 
 @gpu
-def test_gpu_cuda_graph_capture_and_replay():
-    import kernels_cuda.quantize as kq
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_cuda_graph_capture_and_replay(kind):
+    for op in OPS:
+        _need(op, kind)
     xs = [_data(512, 7168, 20 + i, device="cuda") for i in range(3)]
     xd = [_data(1, 7168, 30 + i, device="cuda") for i in range(3)]
-    static, static_d = xs[0].clone(), xd[0].clone()
-    assert static_d.numel() // 8 <= kq.TUNING["fused_max_chunks"] < static.numel() // 8  # both NVFP4 paths
+    xm = [_data(16, 7168, 40 + i, device="cuda") for i in range(3)]
+    static, static_d, static_m = xs[0].clone(), xd[0].clone(), xm[0].clone()
 
     def step():
         return (quantize_nvfp4(static, sf_layout="swizzled"), quantize_nvfp4(static_d),
-                quantize_mxfp4(static), quantize_fp8_block(static, scale_fmt="ue8m0"))
+                quantize_mxfp4(static), quantize_fp8_block(static, scale_fmt="ue8m0"), quantize_nvfp4(static_m))
 
-    with registry.use({"*": "cuda"}):
+    with registry.use({"*": kind}):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -589,48 +746,53 @@ def test_gpu_cuda_graph_capture_and_replay():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = step()
-    for a, b in zip(xs[1:], xd[1:]):
+    for a, b, c in zip(xs[1:], xd[1:], xm[1:]):
         static.copy_(a)
         static_d.copy_(b)
+        static_m.copy_(c)
         graph.replay()
         torch.cuda.synchronize()
         r = F.quantize_nvfp4(a, sf_layout="swizzled")
         _eq(out[0].data, r.data, "graph nvfp4 data")
         _eq(out[0].scale, r.scale, "graph nvfp4 scale")
-        _eq(out[0].global_scale.reshape(1), r.global_scale.reshape(1), "graph nvfp4 gs")
+        _eq(out[0].global_scale.reshape(1), r.global_scale.reshape(1), "graph nvfp4 gs", nan_ok=True)
         rd = F.quantize_nvfp4(b)
         _eq(out[1].data, rd.data, "graph nvfp4 decode data")
-        _eq(out[1].global_scale.reshape(1), rd.global_scale.reshape(1), "graph nvfp4 decode gs")
+        _eq(out[1].global_scale.reshape(1), rd.global_scale.reshape(1), "graph nvfp4 decode gs", nan_ok=True)
         md, ms = F.quantize_mxfp4(a)
         _eq(out[2][0], md, "graph mxfp4")
         _eq(out[2][1], ms, "graph mxfp4 scale")
         fq, fs = F.quantize_fp8_block(a, 128, "ue8m0")
         _eq(out[3][0], fq, "graph fp8")
         _eq(out[3][1], fs, "graph fp8 scale")
+        rm = F.quantize_nvfp4(c)
+        _eq(out[4].data, rm.data, "graph nvfp4 16-row data")
+        _eq(out[4].scale, rm.scale, "graph nvfp4 16-row scale")
+
+
+#: launch-geometry knobs per provider (tile size, CTAs per SM, register bound / software pipelining)
+GEOMETRIES = {"dsl": [dict(qj=4, tuned=0), dict(ctas_per_sm=2, tuned=0), dict(ctas_per_sm=8, qj=4, tuned=0),
+                      dict(min_blocks=4, tuned=0), dict(warps=4, qj=4, min_blocks=4, tuned=0),
+                      dict(min_blocks=3, ctas_per_sm=3, tuned=0)],
+              "cuda": [dict(qj=4), dict(ctas_per_sm=2), dict(ctas_per_sm=8, qj=4), dict(prefetch=1),
+                       dict(prefetch=1, qj=4, ctas_per_sm=2)]}
 
 
 @gpu
-@pytest.mark.parametrize("tuning", [dict(qj=4), dict(ctas_per_sm=2), dict(ctas_per_sm=8, qj=4), dict(prefetch=1),
-                                    dict(prefetch=1, qj=4, ctas_per_sm=2)], ids=str)
-def test_gpu_launch_geometry_never_changes_results(tuning):
-    """TUNING knobs (tile size DSV4_QJ, software pipelining DSV4_PREFETCH, CTAs per SM) only move work
-    between threads: results stay bit-exact."""
-    import kernels_cuda.quantize as kq
-    old = dict(kq.TUNING)
-    kq.TUNING.update(tuning)
-    try:
+@pytest.mark.parametrize("kind,tuning", [(k, t) for k, ts in GEOMETRIES.items() for t in ts], ids=str)
+def test_gpu_launch_geometry_never_changes_results(kind, tuning):
+    """TUNING knobs only move work between threads: results stay bit-exact."""
+    _need("quantize_nvfp4", kind)
+    with _tuned(kind, **tuning):
         for shape in ((129, 7168), (1024, 4096), (3, 80), (2048, 7168)):
             x = _data(*shape, seed=7, specials=True, device="cuda")
-            _check_nvfp4(x, "swizzled")
-            _check_nvfp4(x, "linear", gdec=0.0021)
+            _check_nvfp4(x, "swizzled", kind=kind)
+            _check_nvfp4(x, "linear", gdec=0.0021, kind=kind)
             if shape[1] % 32 == 0:                     # MXFP4 needs K % 32 == 0 (checked before launch)
-                with registry.use(quantize_mxfp4="cuda"):
+                with registry.use(quantize_mxfp4=kind):
                     d, s = quantize_mxfp4(x)
                 rd, rs = F.quantize_mxfp4(x)
                 _eq(d, rd, "mxfp4 data")
                 _eq(s, rs, "mxfp4 scale")
             if shape[1] % 128 == 0:
-                _check_fp8(x, 128, "fp32", torch.float32)
-    finally:
-        kq.TUNING.clear()
-        kq.TUNING.update(old)
+                _check_fp8(x, 128, "fp32", torch.float32, kind)

@@ -363,3 +363,210 @@ def test_readme_setup_two_commands_cpu_torch():
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in cmds[0]
     assert "pytest" in cmds[1]
     assert "skipped" in sec and "docs/configuration.md" in text
+
+
+def test_ci_runs_the_readme_install_and_test_commands():
+    """Issue 19 item 10: .ci/run runs exactly the README's two set-up commands (CPU torch index
+    included), read from the README itself, and installs nothing else."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Set up", 1)[1].split("\n## ", 1)[0].split("```bash", 1)[1].split("```", 1)[0]
+    want = [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    r = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print-commands"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.splitlines() == want, (r.stdout, r.stderr, want)
+    assert "--index-url https://download.pytorch.org/whl/cpu" in want[0] and "pytest" in want[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install" not in ci.replace("pip install` ", "")  # the only installs are the README's
+
+
+def test_gpu_install_extra_and_docs():
+    """Issue 19 item 11 (as far as a CPU allows): the cu13 extra pins the CuTe DSL's CUDA 13 libraries,
+    cuda-bindings 13 and NVRTC 13; the README's GPU install uses it; the DSL provider's "unusable"
+    reason names the same install."""
+    import tomllib
+    from kernels_dsl._compile import DSL_INSTALL_HINT
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    cu13 = " ".join(extras["cu13"])
+    assert "nvidia-cutlass-dsl[cu13]" in cu13 and "cuda-bindings>=13,<14" in cu13 and "nvidia-cuda-nvrtc>=13,<14" in cu13
+    assert all("<13" in d for d in extras["cu12"])
+    readme = (ROOT / "README.md").read_text()
+    gpu = readme.split("### GPU install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install -e '.[cu13]'" in gpu and "pip install -e '.[cu13]'" in DSL_INSTALL_HINT
+
+
+def test_dsv4_ops_says_dsl_installed_but_unusable():
+    """Issue 19 item 11: when the CuTe DSL is installed but its import fails (e.g. no CUDA flavor the
+    driver supports), every dsl row of ``dsv4 ops`` says so, why, and the fix (before: "not importable")."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class F(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'cutlass' or name.startswith('cutlass.'):\n"
+        "            raise RuntimeError('None of the installed toolkit flavors (cu12) are compatible with the CUDA driver')\n"
+        "sys.meta_path.insert(0, F())\n"
+        "from dsv4.cli import main\n"
+        "sys.exit(main(['ops']))\n")
+    env = {**__import__("os").environ, "COLUMNS": "400"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    rows = [ln for ln in r.stdout.splitlines() if "│ dsl " in ln and "not implemented" not in ln]
+    assert r.returncode == 0 and rows, (r.stdout[-2000:], r.stderr[-2000:])
+    for ln in rows:
+        assert "installed but unusable" in ln and "pip install -e '.[cu13]'" in ln and "toolkit flavors" in ln, ln
+
+
+# ------------------------------------------------------------------------------ compressor value checks
+def _compress_case(B_lens, ratio=4, d=512, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    coff = 2 if ratio == 4 else 1
+    T = sum(B_lens)
+    kv = torch.randn(T, coff * d, generator=g)
+    score = torch.randn(T, coff * d, generator=g)
+    ape = torch.randn(ratio, coff * d, generator=g) * 0.5
+    w = torch.rand(d, generator=g) + 0.5
+    from dsv4.reference.rope import rope_cos_sin_table
+    from dsv4.reference.kv_cache import TOKEN_BYTES
+    return dict(kv=kv.to(device), score=score.to(device), ape=ape.to(device), w=w.to(device),
+                table=rope_cos_sin_table(256, device=device),
+                cache=torch.zeros(32, 4 * TOKEN_BYTES, dtype=torch.uint8, device=device))
+
+
+def _compress_device_rule(dev, prefill, decode) -> dict:
+    """The documented device-side behaviour of bad ``cu_seqlens`` / ``positions`` (what runs without
+    ``debug_check`` on a GPU), by value: each bad call equals an equivalent clean call bit for bit.
+    ``prefill(kv, score, ape, w, table, cu, bt, cache, ks, ss)`` / ``decode(...)`` run one provider."""
+    res = {}
+    c = _compress_case([40], device=dev)
+    kv, score, ape, w, table = c["kv"], c["score"], c["ape"], c["w"], c["table"]
+    i32 = dict(dtype=torch.int32, device=dev)
+    bt = torch.arange(32, **i32).view(4, 8)
+    # prefill: seq 1 decreasing (10 -> 5), seq 3 past T = 40: both empty; seqs 0 and 2 as alone
+    cu = torch.tensor([0, 10, 5, 20, 47], **i32)
+    cache = c["cache"].clone()
+    ks, ss = new_compress_state(4, 4, 512, dev)
+    prefill(kv, score, ape, w, table, cu, bt, cache, ks, ss)
+    want = c["cache"].clone()
+    wks, wss = new_compress_state(4, 4, 512, dev)
+    prefill(kv, score, ape, w, table, torch.tensor([0, 10], **i32), bt[0:1], want, wks[0:1], wss[0:1])
+    prefill(kv[5:20], score[5:20], ape, w, table, torch.tensor([0, 15], **i32), bt[2:3], want, wks[2:3], wss[2:3])
+    res["prefill-bad-cu_seqlens"] = (torch.equal(cache, want) and torch.equal(ks, wks) and torch.equal(ss, wss)
+                                     and int(cache.count_nonzero()) > 0)
+    if not res["prefill-bad-cu_seqlens"]:      # details for the report
+        res["prefill-diff"] = (f"cache bytes differing {int((cache != want).sum())}/{int((want != 0).sum())}, "
+                               f"kv_state equal {torch.equal(ks, wks)}, score_state equal {torch.equal(ss, wss)}")
+    # decode: -5 skips like -1; 10^9 + 3 and 2^40 + 3 (entry past the block table) update the state like
+    # position 3 on a page -1 (no entry written)
+    g = torch.Generator().manual_seed(5)
+    ks0 = torch.randn(4, 8, 1024, generator=g).to(dev)
+    ss0 = torch.randn(4, 8, 1024, generator=g).to(dev)
+    kd, sd = kv[:4].contiguous(), score[:4].contiguous()
+    out = {}
+    for name, pos, table_rows in (("bad", [-5, 7, 10 ** 9 + 3, 2 ** 40 + 3], bt),
+                                  ("clean", [-1, 7, 3, 3], torch.cat([bt[:2], torch.full((2, 8), -1, **i32)]))):
+        cache, k1, s1 = c["cache"].clone(), ks0.clone(), ss0.clone()
+        decode(kd, sd, ape, w, table, torch.tensor(pos, dtype=torch.int64, device=dev), table_rows, cache, k1, s1)
+        out[name] = (cache, k1, s1)
+    res["decode-bad-positions"] = all(torch.equal(a, b) for a, b in zip(out["bad"], out["clean"])) and \
+        not torch.equal(out["bad"][1], ks0) and torch.equal(out["bad"][1][0], ks0[0])
+    if not res["decode-bad-positions"]:
+        res["decode-diff"] = "equal (cache, kv_state, score_state): " + str(
+            [torch.equal(a, b) for a, b in zip(out["bad"], out["clean"])])
+    return res
+
+
+def _ref_calls():
+    from dsv4.reference import kv_cache as R
+    return (lambda kv, sc, ape, w, tb, cu, bt, c, ks, ss: R.kv_compress_prefill_ref(kv, sc, ape, w, tb, cu, bt, c, ks, ss),
+            lambda kv, sc, ape, w, tb, p, bt, c, ks, ss: R.kv_compress_decode_ref(kv, sc, ape, w, tb, p, bt, c, ks, ss))
+
+
+def test_kv_compress_bad_values_raise_on_cpu():
+    """Issue 19 item 4: on CPU tensors the value checks are free, so bad positions / cu_seqlens raise
+    ValueError naming the argument (before: accepted, or a bare IndexError from the reference)."""
+    from dsv4.ops.kv_cache import kv_compress_decode, kv_compress_prefill
+    c = _compress_case([40])
+    bt = torch.arange(32, dtype=torch.int32).view(4, 8)
+    ks, ss = new_compress_state(4, 4, 512)
+    for pos, needle in (([-5, 0, 1, 2], "positions[0] = -5"), ([0, 10 ** 9, 1, 2], "positions[1] = 1000000000"),
+                        ([0, 1, 2, 2 ** 40], "positions[3]")):
+        _raises(ValueError, ["kv_compress_decode", "'positions'", needle], kv_compress_decode, c["kv"][:4],
+                c["score"][:4], c["ape"], c["w"], c["table"], torch.tensor(pos), bt, c["cache"], ks, ss)
+    for cu, needle in (([0, 10, 5, 20, 40], "cu_seqlens[2] = 5 after cu_seqlens[1] = 10"),
+                       ([0, 10, 20, 30, 47], "cu_seqlens[4] = 47"), ([-2, 10, 20, 30, 40], "cu_seqlens[0] = -2")):
+        _raises(ValueError, ["kv_compress_prefill", "'cu_seqlens'", needle, "T=40"], kv_compress_prefill, c["kv"],
+                c["score"], c["ape"], c["w"], c["table"], torch.tensor(cu, dtype=torch.int32), bt, c["cache"])
+    kv_compress_decode(c["kv"][:4], c["score"][:4], c["ape"], c["w"], c["table"], torch.tensor([-1, 0, 3, 127]), bt,
+                       c["cache"], ks, ss)                                   # in range: accepted
+    for fn, args in ((kv_compress_decode, (c["kv"][:4], c["score"][:4], c["ape"], c["w"], c["table"][:0],
+                                           torch.tensor([-1, 0, 3, 127]), bt, c["cache"], ks, ss)),
+                     (kv_compress_prefill, (c["kv"], c["score"], c["ape"], c["w"], c["table"][:0],
+                                            torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32), bt, c["cache"]))):
+        _raises(LayoutError, ["'rope_cos_sin'", "0 rows"], fn, *args)   # a shape check: free on every device
+
+
+def test_kv_compress_device_rule_reference_cpu():
+    """The torch provider (what a GPU runs without debug_check) follows the documented rule for bad
+    cu_seqlens / positions, by value (before: IndexError for cu_seqlens past T)."""
+    res = _compress_device_rule("cpu", *_ref_calls())
+    assert len(res) == 2 and all(v is True for v in res.values()), res
+
+
+def _compress_child():
+    import json
+    from dsv4 import registry
+    from dsv4.ops.kv_cache import kv_compress_decode, kv_compress_prefill
+    res = {}
+    for prov in ("cuda", "torch"):
+        def pf(*a, prov=prov):
+            with registry.use(kv_compress_prefill=prov):
+                kv_compress_prefill(*a[:8], kv_state=a[8], score_state=a[9])
+
+        def dc(*a, prov=prov):
+            with registry.use(kv_compress_decode=prov):
+                kv_compress_decode(*a)
+        try:
+            res.update({f"{k}-{prov}": v for k, v in _compress_device_rule("cuda", pf, dc).items()})
+        except Exception as e:  # noqa: BLE001
+            res[f"error-{prov}"] = f"{type(e).__name__}: {str(e)[:300]}"
+    torch.cuda.synchronize()
+    res["context-alive"] = torch.ones(4, device="cuda").sum().item() == 4.0
+    print("KVC_JSON " + json.dumps(res))
+
+
+@pytest.mark.gpu
+def test_gpu_kv_compress_bad_values_device_rule_subprocess():
+    """On CUDA tensors (no host sync, no debug_check): bad cu_seqlens / positions follow the documented
+    device-side rule on the cuda kernels and the torch provider, by value, and the context survives
+    (a child process: a device fault there is a failed test, not a dead test process)."""
+    import json
+    import os
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    r = subprocess.run([sys.executable, "-c", "import test_validation as t; t._compress_child()"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"child process died (rc={r.returncode}; a device fault?): {r.stderr[-3000:]}"
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("KVC_JSON ")][-1][len("KVC_JSON "):])
+    assert len(res) == 5 and all(v is True for v in res.values()), res
+
+
+# ------------------------------------------------------------------------------ sanitizer subset
+def test_sanitize_subset_covers_every_gpu_test_file():
+    """Issue 19 item 14: every test file with a GPU test has a `sanitize` subset (tests/conftest.py
+    SANITIZE, run by scripts/gpu_sanitize.sh), and every entry of the table names a collected GPU test."""
+    import conftest
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                        "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ids = [ln.strip() for ln in r.stdout.splitlines() if "::" in ln]
+    assert ids, r.stdout[-2000:] + r.stderr[-2000:]
+    by_file: dict = {}
+    for i in ids:
+        f, name = i.split("::", 1)
+        by_file.setdefault(Path(f).name, []).append(name)
+    missing, stale = sorted(set(by_file) - set(conftest.SANITIZE)), sorted(set(conftest.SANITIZE) - set(by_file))
+    assert not missing and not stale, (f"GPU test files without a sanitize subset: {missing} (add small-shape tests to "
+                                       f"tests/conftest.py SANITIZE); table files without GPU tests: {stale}")
+    for f, pats in conftest.SANITIZE.items():
+        for p in pats:
+            assert any(conftest.sanitize_selected(f, n) and (n == p or p.endswith("*")) for n in by_file[f]), \
+                f"tests/conftest.py SANITIZE[{f!r}] entry {p!r} names no GPU test of {f} (renamed?)"
+    script = (ROOT / "scripts" / "gpu_sanitize.sh").read_text()
+    assert '-m "gpu and sanitize"' in script and all(t in script for t in ("memcheck", "racecheck", "synccheck"))

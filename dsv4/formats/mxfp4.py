@@ -21,11 +21,11 @@ Two scale rules:
     shared_exp = clamp(shared_exp, -127, 127)   (UE8M0 range; amax == 0 -> -127)
     code       = e2m1_rne(clamp(x / 2^shared_exp, -6, 6))   (|x/s| in [4, 8): above 6 saturates)
 
-Non-finite inputs (both rules; a choice of this library, documented and tested): the block
-amax is taken over the *finite* elements only, so a NaN or Inf does not poison the scale of
-its 31 neighbours.  The element itself then follows :func:`e2m1_encode`: +-Inf saturates to
-+-6 (code 0x7/0xF) and NaN becomes code 0x0 (+0.0, :data:`dsv4.formats.E2M1_NAN_CODE`).
-No NaN/Inf ever appears in the scales produced here.
+Non-finite inputs (both rules; OCP MX v1.0 section 6.3, issue 19 item 13): a block whose amax
+is NaN or Inf -- i.e. a block holding any NaN or +-Inf element -- gets the NaN scale (UE8M0
+byte 0xFF) and all-zero codes, so the whole block decodes to NaN (:func:`dequantize_mxfp4`):
+an overflow or NaN upstream stays visible instead of becoming silently finite.  Every other
+block is unaffected (its amax, scale and codes are those of its own finite elements).
 
 Outputs: ``data`` packed ``uint8 [..., K/2]`` (element 2i in the low nibble) and ``scale``
 ``float8_e8m0fnu [..., K/32]``.
@@ -38,7 +38,7 @@ import torch
 
 from ._checks import require_dtype, require_float_input, require_min_ndim, require_out_dtype
 from .e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode, pack_e2m1, unpack_e2m1
-from .scales import ue8m0_ceil, ue8m0_decode
+from .scales import UE8M0_NAN_BYTE, ue8m0_ceil, ue8m0_decode
 
 __all__ = ["MXFP4_BLOCK", "MXFP4_AMAX_FLOOR", "quantize_mxfp4", "dequantize_mxfp4", "finite_absmax"]
 
@@ -82,7 +82,8 @@ def quantize_mxfp4(x: torch.Tensor, rule: str = "dsv4") -> Tuple[torch.Tensor, t
 
     Returns:
         ``(data, scale)``: ``data`` ``torch.uint8 [..., K/2]`` packed E2M1 (element 2i in
-        the low nibble); ``scale`` ``torch.float8_e8m0fnu [..., K/32]``.
+        the low nibble); ``scale`` ``torch.float8_e8m0fnu [..., K/32]``.  A block holding a
+        NaN or +-Inf gets scale 0xFF (NaN) and zero codes (module docstring).
 
     Raises:
         TypeError: ``x`` not a supported float tensor.
@@ -96,7 +97,8 @@ def quantize_mxfp4(x: torch.Tensor, rule: str = "dsv4") -> Tuple[torch.Tensor, t
     if rule not in ("dsv4", "ocp"):
         raise ValueError(f"rule: expected 'dsv4' or 'ocp', got {rule!r}")
     blk = x.float().reshape(*x.shape[:-1], K // MXFP4_BLOCK, MXFP4_BLOCK)
-    amax = finite_absmax(blk, dim=-1, keepdim=True)
+    bad = (~torch.isfinite(blk)).any(dim=-1, keepdim=True)      # NaN / Inf block -> NaN scale (OCP MX 6.3)
+    amax = finite_absmax(blk, dim=-1, keepdim=True)              # (bad blocks: overwritten below)
     if rule == "dsv4":
         amax = amax.clamp(min=MXFP4_AMAX_FLOOR)
         scale_e8 = ue8m0_ceil(amax * _INV6_F32)          # fast_round_scale(amax, 1/6)
@@ -108,8 +110,10 @@ def quantize_mxfp4(x: torch.Tensor, rule: str = "dsv4") -> Tuple[torch.Tensor, t
         s = _exp2_int(e)
         scale_e8 = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
     codes = e2m1_encode((blk / s).clamp(-E2M1_MAX, E2M1_MAX))
+    codes = torch.where(bad, torch.zeros_like(codes), codes)
+    scale_b = torch.where(bad, torch.full_like(scale_e8.view(torch.uint8), UE8M0_NAN_BYTE), scale_e8.view(torch.uint8))
     data = pack_e2m1(codes.reshape(x.shape))
-    return data, scale_e8.squeeze(-1)
+    return data, scale_b.view(torch.float8_e8m0fnu).squeeze(-1)
 
 
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor,

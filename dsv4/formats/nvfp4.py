@@ -8,16 +8,17 @@ experimental NVFP4 KV codec (dsv4_spec.md 2.7).  Official DSV4 has no NVFP4.
 Global scale (NVIDIA convention: TransformerEngine ``nvfp4_global_encode_scale`` / CUTLASS
 block-scaled epilogue; dsv4_spec.md 2.7 notes the ``amax/(448*6)`` choice is a convention)::
 
-    amax  = max |x|  over the tensor (per expert for grouped [E, M, K]), finite elements only
+    amax  = max |x|  over the tensor (per expert for grouped [E, M, K])
     g_enc = min(448 * 6 / amax, FLT_MAX)     encode multiplier  (NVFP4Tensor.global_encode_scale)
-    g_enc = 1.0  if amax == 0 or amax is not finite          (CUTLASS: amax > 0 ? ... : 1)
+    g_enc = 1.0  if amax == 0                                (CUTLASS: amax > 0 ? ... : 1)
+    g_enc = NaN  if amax is NaN or Inf (some element is)     (OCP MX rule, see below)
     g_dec = 1 / g_enc                         decode multiplier (NVFP4Tensor.global_scale,
                                               = amax / 2688; the checkpoints' weight_scale_2)
 
 Per block of 16 (TransformerEngine NVFP4 reference quantizer ``_quantize_blockwise_reference``,
 association order kept literally so codes are bit-exact with TE-style kernels)::
 
-    vmax  = max |x_blk|   (finite elements only)
+    vmax  = max |x_blk|
     s     = e4m3_rne(min(vmax * (g_enc * fp32(1/6)), 448))      block scale (saturates at 448)
     enc   = min(1 / (float(s) * g_dec), FLT_MAX)
     code  = e2m1_rne(clamp(x * enc, -6, 6))
@@ -35,10 +36,12 @@ Dequantization (all fp32, then one rounding to ``out_dtype``)::
 
     x = (e2m1(code) * float(s)) * global_scale         (e2m1 * s is exact in fp32)
 
-Non-finite inputs (library choice, documented and tested): amax (global and per block)
-counts finite elements only; an Inf element saturates to +-6 * s * g_dec; a NaN element
-becomes code 0x0 (+0.0, the :func:`dsv4.formats.e2m1_encode` NaN policy).  Scales never
-become NaN.
+Non-finite inputs (the OCP MX v1.0 section 6.3 rule, issue 19 item 13): a block whose amax
+is NaN or Inf (a block holding any NaN or +-Inf) gets the NaN block scale (E4M3 byte 0x7F)
+and all-zero codes, so it decodes to NaN; a non-finite tensor amax (computed global scale)
+gives ``g_enc = g_dec = NaN`` and then every block of that tensor (expert) gets the NaN scale
+and zero codes.  A caller-supplied global scale must be finite and > 0 (checked).  Overflow and
+NaN upstream therefore stay visible instead of becoming silently finite.
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ __all__ = [
 
 #: Elements per E4M3 block scale.
 NVFP4_BLOCK = 16
+#: E4M3 byte of a NaN block scale (S.1111.111 with S = 0)
+E4M3_NAN_BYTE = 0x7F
 _FLT_MAX = torch.finfo(torch.float32).max
 _SF_LAYOUTS = ("linear", "swizzled")
 
@@ -78,7 +83,8 @@ def _rdiv(num: float, t: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """``g_enc = min(448*6 / amax, FLT_MAX)``; 1.0 where ``amax <= 0`` or not finite.
+    """``g_enc = min(448*6 / amax, FLT_MAX)``; 1.0 where ``amax <= 0``; NaN where ``amax`` is
+    NaN or +-Inf (OCP MX rule: a non-finite amax gives a NaN scale).
 
     Args:
         amax: float tensor (any shape) of per-tensor absolute maxima.
@@ -93,8 +99,8 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     require_float_input("amax", amax, "per-tensor absolute maxima")
     a = amax.float()
     g = torch.clamp(_rdiv(E4M3_MAX * E2M1_MAX, a), max=_FLT_MAX)
-    ok = torch.isfinite(a) & (a > 0)
-    return torch.where(ok, g, torch.ones_like(g))
+    g = torch.where(a > 0, g, torch.ones_like(g))
+    return torch.where(torch.isfinite(a), g, torch.full_like(g, float("nan")))
 
 
 def nvfp4_global_decode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -213,7 +219,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None,
         sf_layout: ``"linear"`` (scale ``[..., M, K/16]``) or ``"swizzled"`` (128x4 layout).
 
     Returns:
-        :class:`NVFP4Tensor` (``global_scale`` 0-dim for 2-D input, ``[E]`` for 3-D).
+        :class:`NVFP4Tensor` (``global_scale`` 0-dim for 2-D input, ``[E]`` for 3-D).  Blocks
+        holding a NaN / +-Inf get scale 0x7F (NaN) and zero codes; a non-finite tensor amax
+        gives a NaN global scale and NaN block scales everywhere (module docstring).
 
     Raises:
         TypeError: bad dtypes.
@@ -233,7 +241,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None,
     xf = x.float()
 
     if global_scale is None:
-        amax = finite_absmax(xf.reshape(*batch, M * K), dim=-1, keepdim=False)  # () or [E]
+        amax = xf.reshape(*batch, M * K).abs().amax(dim=-1)       # () or [E]; NaN / Inf propagate
+        amax = torch.where(torch.isnan(xf.reshape(*batch, M * K)).any(dim=-1), torch.full_like(amax, float("nan")),
+                           amax)
         g_enc = nvfp4_global_encode_scale(amax)
         g_dec = _rdiv(1.0, g_enc)
     else:
@@ -255,7 +265,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None,
 
     bshape = (*batch, 1, 1, 1)  # broadcast over [..., M, K/16, 16]
     blk = xf.reshape(*batch, M, K // NVFP4_BLOCK, NVFP4_BLOCK)
-    vmax = finite_absmax(blk, dim=-1, keepdim=True)
+    # NaN / Inf block, or NaN global scale -> NaN block scale 0x7F and zero codes (OCP MX 6.3)
+    bad = (~torch.isfinite(blk)).any(dim=-1, keepdim=True) | torch.isnan(g_enc).reshape(bshape)
+    vmax = finite_absmax(blk, dim=-1, keepdim=True)              # (bad blocks: overwritten below)
     mult = (g_enc * _INV6_F32).reshape(bshape)
     s_f32 = torch.clamp(vmax * mult, max=_FLT_MAX).clamp(-E4M3_MAX, E4M3_MAX)
     s_e4m3 = s_f32.to(torch.float8_e4m3fn)
@@ -263,8 +275,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None,
     enc = torch.clamp(_rdiv(1.0, s * g_dec.reshape(bshape)), max=_FLT_MAX)
     codes = e2m1_encode(torch.clamp(blk * enc, -E2M1_MAX, E2M1_MAX))
     codes = torch.where(s == 0, codes & 0x8, codes)
+    codes = torch.where(bad, torch.zeros_like(codes), codes)
+    sb = torch.where(bad, torch.full_like(s_e4m3.view(torch.uint8), E4M3_NAN_BYTE), s_e4m3.view(torch.uint8))
     data = pack_e2m1(codes.reshape(*batch, M, K))
-    sc = s_e4m3.squeeze(-1)
+    sc = sb.view(torch.float8_e4m3fn).squeeze(-1)
     if sf_layout == "swizzled":
         sc = swizzle_sf_128x4(sc)
     return NVFP4Tensor(data=data, scale=sc, global_scale=g_dec, shape=(*batch, M, K),

@@ -1,8 +1,10 @@
 """Public ops. Importing this package registers every op with :mod:`dsv4.registry`.
 
-Each op lives in one module here (``dsv4/ops/<op>.py``): its :class:`~dsv4.layout.OpSpec`,
+The ops of one area live in one module here (``dsv4/ops/<area>.py``, e.g. ``moe.py`` holds the
+six MoE ops and ``moe_experts`` / ``moe_forward``): per op its :class:`~dsv4.layout.OpSpec`,
 its public function, and its ``torch.library`` custom op (``torch.ops.dsv4.<name>``) with a
-fake implementation. Modules are discovered automatically: adding an op is adding a file.
+fake implementation. Modules are discovered automatically (``pkgutil``): nothing is imported
+by hand.
 Public functions are re-exported here (each module lists them in ``__all__``).
 """
 from __future__ import annotations

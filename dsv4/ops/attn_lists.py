@@ -24,12 +24,13 @@ entries on the device and are never dereferenced outside the tables.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, register
+from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
 
@@ -88,8 +89,19 @@ SPEC = OpSpec(
 )
 
 
-def _example(target: Target) -> dict:
-    return {"kind": "csa", "T": 16, "window": 128, "width": 512, "device": target.device_type}
+@dataclass(frozen=True)
+class AttnListsProblem(Problem):
+    """What selects the ``attn_lists`` provider: list kind, query rows, window and list widths."""
+
+    kind: str           # "csa" | "hca" | "swa"
+    T: int              # query rows
+    window: int         # SWA window entries per row
+    width: int          # compressed entries per row (0 for swa)
+    device: str
+
+
+def _example(target: Target) -> AttnListsProblem:
+    return AttnListsProblem("csa", 16, 128, 512, target.device_type)
 
 
 #: dsl (kernels_dsl/attn_lists.py) first; torch = the reference (the sparse_attention helpers), any device.
@@ -105,7 +117,7 @@ class AttnLists(NamedTuple):
     lens: Optional[torch.Tensor]
 
 
-@torch.library.custom_op("dsv4::attn_lists", mutates_args=())
+@custom_op("dsv4::attn_lists", mutates_args=())
 def _attn_lists_op(positions: torch.Tensor, req_idx: torch.Tensor, swa_block_table: torch.Tensor,
                    swa_block_size: int, window: int, ring: int, first: Optional[torch.Tensor], first_scalar: int,
                    swa_num_blocks: int, kind: str, block_table: Optional[torch.Tensor], block_size: int,
@@ -113,7 +125,7 @@ def _attn_lists_op(positions: torch.Tensor, req_idx: torch.Tensor, swa_block_tab
                    num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T = positions.shape[0]
     width = 0 if kind == "swa" else (entries.shape[1] if kind == "csa" else max_entries)
-    problem = {"kind": kind, "T": T, "window": window, "width": width, "device": positions.device.type}
+    problem = AttnListsProblem(kind, T, window, width, positions.device.type)
     return OP.dispatch(problem, Target.of(positions.device), positions=positions, req_idx=req_idx,
                        swa_block_table=swa_block_table, swa_block_size=swa_block_size, window=window, ring=ring,
                        first=first, first_scalar=first_scalar, swa_num_blocks=swa_num_blocks, kind=kind,

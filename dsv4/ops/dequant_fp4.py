@@ -10,9 +10,14 @@ from typing import Optional
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, register
+from ..registry import Op, custom_op, register
 from ..target import Target
 from ._common import dtype_name
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 FORMATS = {"mxfp4": 32, "nvfp4": 16}
 _SCALE_DTYPE = {"mxfp4": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}
@@ -50,7 +55,7 @@ def _example(target: Target) -> dict:
 OP = register(Op("dequant_fp4", SPEC, example_problem=_example))
 
 
-@torch.library.custom_op("dsv4::dequant_fp4", mutates_args=())
+@custom_op("dsv4::dequant_fp4", mutates_args=())
 def _dequant_fp4_op(data: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor],
                     fmt: str, out_dtype: torch.dtype) -> torch.Tensor:
     problem = {"fmt": fmt, "out_dtype": dtype_name(out_dtype), "K": 2 * data.shape[1],
@@ -74,16 +79,24 @@ def dequant_fp4(data: torch.Tensor, scale: torch.Tensor, *, fmt: str = "mxfp4",
             ``[M, K/16]`` (linear layout; swizzled scales must be unswizzled first with
             :func:`dsv4.formats.unswizzle_sf_128x4`).
         fmt: ``"mxfp4"`` or ``"nvfp4"``.
-        global_scale: nvfp4 only, float32 ``[1]`` decode multiplier (required for nvfp4).
+        global_scale: nvfp4 only, float32 ``[1]`` decode multiplier (required for nvfp4):
+            finite and > 0, or NaN. NaN is the encoding of a tensor whose global amax was not
+            finite (``quantize_nvfp4``, OCP MX rule): the whole tensor decodes to NaN. A CPU
+            tensor is checked on the host (free): +-Inf, 0 or a negative value raise
+            ``ValueError``. A CUDA tensor is not checked (that would cost a host sync), nor is any
+            tensor inside ``torch.compile`` (a data-dependent branch); there the formula is applied
+            as written (IEEE: NaN / Inf propagate, 0 gives +-0).
         out_dtype: ``torch.bfloat16`` or ``torch.float32``.
 
     Returns:
         ``[M, K]`` tensor of ``out_dtype``: mxfp4 ``e2m1 * 2^(sf-127)``; nvfp4
-        ``(e2m1 * e4m3(sf)) * global_scale``; fp32 math, one rounding to ``out_dtype``.
+        ``(e2m1 * e4m3(sf)) * global_scale``; fp32 math, one rounding to ``out_dtype``. NaN
+        scales decode their whole block to NaN (UE8M0 0xFF; E4M3 0x7F / 0xFF; a NaN
+        ``global_scale``: every element), on every provider alike (NaN payloads may differ).
 
     Raises:
         TypeError: ``out_dtype`` is not a ``torch.dtype`` (e.g. the string ``"bfloat16"``).
-        ValueError: unknown ``fmt`` / ``out_dtype``.
+        ValueError: unknown ``fmt`` / ``out_dtype``; a CPU ``global_scale`` that is +-Inf or <= 0.
         LayoutError: an argument does not match ``docs/layouts/dequant_fp4.md`` (dtype, shape,
             contiguity, alignment), or ``global_scale`` is missing/present for the format.
 
@@ -104,6 +117,12 @@ def dequant_fp4(data: torch.Tensor, scale: torch.Tensor, *, fmt: str = "mxfp4",
         raise LayoutError("dequant_fp4: argument 'global_scale' (float32 [1]) is required for fmt='nvfp4'")
     if fmt == "mxfp4" and global_scale is not None:
         raise LayoutError("dequant_fp4: argument 'global_scale' must be None for fmt='mxfp4' (MXFP4 has no global scale)")
+    if (global_scale is not None and global_scale.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not _is_fake(global_scale)):
+        g = float(global_scale[0])          # a host read of a host tensor: free
+        if g == g and not (0.0 < g < float("inf")):
+            raise ValueError(f"dequant_fp4: argument 'global_scale' must be finite and > 0 (or NaN, the encoding of a "
+                             f"non-finite tensor), got {g}")
     return torch.ops.dsv4.dequant_fp4(data, scale, global_scale, fmt, out_dtype)
 
 

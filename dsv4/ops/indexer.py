@@ -58,12 +58,13 @@ quantization itself already costs (FP8 keys: 1.3e-2 from the bf16 inputs), not b
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, register
+from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 
 __all__ = ["indexer_cache_write", "indexer_q_quant", "indexer_logits", "indexer_logits_paged",
@@ -123,17 +124,62 @@ CACHE_WRITE_SPEC = OpSpec(
 )
 
 
-def _cw_example(target: Target) -> dict:
-    return {"fmt": "mxfp4", "hadamard": True, "block_size": 64, "device": target.device_type}
+@dataclass(frozen=True)
+class CacheWriteProblem(Problem):
+    """``indexer_cache_write`` / ``indexer_q_quant`` provider selection (``block_size``: cache pages)."""
+
+    fmt: str            # "mxfp4" | "nvfp4" | "fp8"
+    hadamard: bool
+    block_size: int
+    device: str
+
+
+@dataclass(frozen=True)
+class QQuantProblem(Problem):
+    fmt: str
+    hadamard: bool
+    device: str
+
+
+@dataclass(frozen=True)
+class LogitsProblem(Problem):
+    fmt: str
+    device: str
+
+
+@dataclass(frozen=True)
+class PagedProblem(Problem):
+    """``indexer_logits_paged`` (and the logits half of ``indexer_topk_paged``)."""
+
+    fmt: str
+    next_n: int
+    block_size: int
+    max_ctx: int
+    device: str
+
+
+@dataclass(frozen=True)
+class TopkPagedProblem(Problem):
+    fmt: str
+    next_n: int
+    block_size: int
+    max_ctx: int
+    k: int
+    mapped: bool
+    device: str
+
+
+def _cw_example(target: Target) -> CacheWriteProblem:
+    return CacheWriteProblem("mxfp4", True, 64, target.device_type)
 
 
 CACHE_WRITE_OP = register(Op("indexer_cache_write", CACHE_WRITE_SPEC, module="indexer", example_problem=_cw_example))
 
 
-@torch.library.custom_op("dsv4::indexer_cache_write", mutates_args=("cache",))
+@custom_op("dsv4::indexer_cache_write", mutates_args=("cache",))
 def _cache_write_op(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor,
                     global_scale: Optional[torch.Tensor], fmt: str, hadamard: bool) -> None:
-    problem = {"fmt": fmt, "hadamard": bool(hadamard), "block_size": int(cache.shape[1]), "device": cache.device.type}
+    problem = CacheWriteProblem(fmt, bool(hadamard), int(cache.shape[1]), cache.device.type)
     CACHE_WRITE_OP.dispatch(problem, Target.of(cache.device), cache=cache, k=k, slot_mapping=slot_mapping,
                             global_scale=global_scale)
 
@@ -195,13 +241,13 @@ Q_QUANT_SPEC = OpSpec(
 )
 
 Q_QUANT_OP = register(Op("indexer_q_quant", Q_QUANT_SPEC, module="indexer",
-                         example_problem=lambda t: {"fmt": "mxfp4", "hadamard": True, "device": t.device_type}))
+                         example_problem=lambda t: QQuantProblem("mxfp4", True, t.device_type)))
 
 
-@torch.library.custom_op("dsv4::indexer_q_quant", mutates_args=())
+@custom_op("dsv4::indexer_q_quant", mutates_args=())
 def _q_quant_op(q: torch.Tensor, w: torch.Tensor, global_scale: Optional[torch.Tensor], fmt: str,
                 hadamard: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem = {"fmt": fmt, "hadamard": bool(hadamard), "device": q.device.type}
+    problem = QQuantProblem(fmt, bool(hadamard), q.device.type)
     return Q_QUANT_OP.dispatch(problem, Target.of(q.device), q=q, w=w, global_scale=global_scale)
 
 
@@ -263,14 +309,14 @@ LOGITS_SPEC = OpSpec(
 )
 
 LOGITS_OP = register(Op("indexer_logits", LOGITS_SPEC, module="indexer",
-                        example_problem=lambda t: {"fmt": "mxfp4", "device": t.device_type}))
+                        example_problem=lambda t: LogitsProblem("mxfp4", t.device_type)))
 
 
-@torch.library.custom_op("dsv4::indexer_logits", mutates_args=())
+@custom_op("dsv4::indexer_logits", mutates_args=())
 def _logits_op(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, k_data: torch.Tensor, k_sf: torch.Tensor,
                ks: torch.Tensor, ke: torch.Tensor, q_global: Optional[torch.Tensor], k_global: Optional[torch.Tensor],
                fmt: str) -> torch.Tensor:
-    problem = {"fmt": fmt, "device": q_data.device.type}
+    problem = LogitsProblem(fmt, q_data.device.type)
     return LOGITS_OP.dispatch(problem, Target.of(q_data.device), q_data=q_data, q_sf=q_sf, w=w, k_data=k_data,
                               k_sf=k_sf, ks=ks, ke=ke, q_global=q_global, k_global=k_global)
 
@@ -384,16 +430,14 @@ PAGED_SPEC = OpSpec(
 )
 
 PAGED_OP = register(Op("indexer_logits_paged", PAGED_SPEC, module="indexer",
-                       example_problem=lambda t: {"fmt": "mxfp4", "next_n": 1, "block_size": 64, "max_ctx": 32768,
-                                                  "device": t.device_type}))
+                       example_problem=lambda t: PagedProblem("mxfp4", 1, 64, 32768, t.device_type)))
 
 
-@torch.library.custom_op("dsv4::indexer_logits_paged", mutates_args=())
+@custom_op("dsv4::indexer_logits_paged", mutates_args=())
 def _paged_op(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, lens: torch.Tensor,
               block_table: torch.Tensor, q_global: Optional[torch.Tensor], k_global: Optional[torch.Tensor],
               fmt: str, max_ctx: int) -> torch.Tensor:
-    problem = {"fmt": fmt, "next_n": int(q_data.shape[1]), "block_size": int(cache.shape[1]), "max_ctx": int(max_ctx),
-               "device": q_data.device.type}
+    problem = PagedProblem(fmt, int(q_data.shape[1]), int(cache.shape[1]), int(max_ctx), q_data.device.type)
     return PAGED_OP.dispatch(problem, Target.of(q_data.device), q_data=q_data, q_sf=q_sf, w=w, cache=cache, lens=lens,
                              block_table=block_table, q_global=q_global, k_global=k_global)
 
@@ -528,16 +572,16 @@ TOPK_PAGED_SPEC = OpSpec(
 )
 
 TOPK_PAGED_OP = register(Op("indexer_topk_paged", TOPK_PAGED_SPEC, module="indexer",
-                            example_problem=lambda t: {"fmt": "mxfp4", "next_n": 1, "block_size": 64, "max_ctx": 32768,
-                                                       "k": 512, "mapped": False, "device": t.device_type}))
+                            example_problem=lambda t: TopkPagedProblem("mxfp4", 1, 64, 32768, 512, False,
+                                                                       t.device_type)))
 
 
-@torch.library.custom_op("dsv4::indexer_topk_paged", mutates_args=())
+@custom_op("dsv4::indexer_topk_paged", mutates_args=())
 def _topk_paged_op(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, lens: torch.Tensor,
                    block_table: torch.Tensor, q_global: Optional[torch.Tensor], k_global: Optional[torch.Tensor],
                    fmt: str, max_ctx: int, k: int, map_to_slots: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = {"fmt": fmt, "next_n": int(q_data.shape[1]), "block_size": int(cache.shape[1]), "max_ctx": int(max_ctx),
-               "k": int(k), "mapped": bool(map_to_slots), "device": q_data.device.type}
+    problem = TopkPagedProblem(fmt, int(q_data.shape[1]), int(cache.shape[1]), int(max_ctx), int(k),
+                               bool(map_to_slots), q_data.device.type)
     return TOPK_PAGED_OP.dispatch(problem, Target.of(q_data.device), q_data=q_data, q_sf=q_sf, w=w, cache=cache,
                                   lens=lens, block_table=block_table, q_global=q_global, k_global=k_global)
 

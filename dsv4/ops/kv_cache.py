@@ -9,7 +9,8 @@ Ops (one module, four registered ops, providers in ``kernels_cuda/kv_cache.py`` 
   (softmax-gated pooling, RMSNorm, RoPE, quantization) writing compressed entries into a paged
   cache, prefill (every complete block, sequences from position 0) and decode (incremental
   FP32 state, bit-identical entries).
-* :func:`kv_gather` -- dequantize SWA + top-k compressed rows to dense BF16 ``[T, W + K, 512]``.
+* :func:`kv_gather` -- dequantize SWA + top-k compressed rows to dense BF16 ``[T, W + K, 512]``
+  (indices past a request's ``lens`` / ``swa_lens`` read as -1: zero rows).
 
 Cache formats (byte offsets exact; ``bs`` = tokens per paged block, inferred from the shape):
 
@@ -47,7 +48,7 @@ from typing import Optional
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, register
+from ..registry import Op, custom_op, register
 from ..target import Target
 from ._common import dtype_name
 
@@ -55,6 +56,8 @@ KV_DIM, IDX_DIM, ROPE_DIM = 512, 128, 64
 #: compression ratios of the compressor ops: 4 (CSA, overlapping windows) and 128 (HCA)
 COMPRESS_RATIOS = (4, 128)
 TOKEN_BYTES, IDX_TOKEN_BYTES = 584, 68
+#: byte size below which every flat extent of a kv tensor fits int32 32-bit words (the dsl providers' limit)
+_I32_BYTES = 4 << 31
 _IDX = (torch.int32, torch.int64)
 _SOURCE = ("DSV4 FLASH-REF model.py Compressor / Attention / act_quant / fp4_act_quant (dsv4_spec.md 2.2, 2.3, "
            "2.7, 4.2, 4.4); vLLM DSV4 fp8_ds_mla block layout [bs x 576 B data][bs x 8 B scales]; FlashMLA MODEL1 "
@@ -138,16 +141,17 @@ APPEND_SPEC = OpSpec(
 
 
 def _append_example(target: Target) -> dict:
-    return {"fmt": "fp8_ds_mla", "slot": "int64", "device": target.device_type}
+    return {"fmt": "fp8_ds_mla", "slot": "int64", "device": target.device_type, "i32": True}
 
 
 APPEND_OP = register(Op("kv_cache_append", APPEND_SPEC, module="kv_cache", example_problem=_append_example))
 
 
-@torch.library.custom_op("dsv4::kv_cache_append", mutates_args=("cache",))
+@custom_op("dsv4::kv_cache_append", mutates_args=("cache",))
 def _kv_cache_append_op(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     fmt, bs = _cache_info(cache, KV_DIM)
-    problem = {"fmt": fmt, "slot": dtype_name(slot_mapping.dtype), "device": kv.device.type}
+    problem = {"fmt": fmt, "slot": dtype_name(slot_mapping.dtype), "device": kv.device.type,
+               "i32": cache.numel() * cache.element_size() < _I32_BYTES}
     APPEND_OP.dispatch(problem, Target.of(kv.device), cache=cache, kv=kv, slot_mapping=slot_mapping)
 
 
@@ -207,6 +211,8 @@ GATHER_SPEC = OpSpec(
                    doc="compressed cache pages of each request"),
         TensorSpec("indices", torch.int32, ("T", "K"), align=4,
                    doc="top-k logical compressed entry ids per query (-1 = none)"),
+        TensorSpec("lens", torch.int32, ("R",), align=4,
+                   doc="valid compressed entries of each request: index l is read only if 0 <= l < lens[req]"),
         TensorSpec("req_idx", torch.int32, ("T",), align=4, optional=True,
                    doc="request (block_table row) of each query; default t"),
         TensorSpec("swa_cache", (torch.uint8, torch.bfloat16), ("swa_blocks", "Ws"), optional=True,
@@ -215,45 +221,53 @@ GATHER_SPEC = OpSpec(
                    doc="SWA ring pages of each request"),
         TensorSpec("swa_indices", torch.int32, ("T", "W"), align=4, optional=True,
                    doc="logical SWA slots (ring slot = pos % 128) per query; -1 = none"),
+        TensorSpec("swa_lens", torch.int32, ("Rs",), align=4, optional=True,
+                   doc="valid ring slots of each request, min(tokens, 128): slot l is read only if l < swa_lens[req]"),
     ),
     outputs=(TensorSpec("out", torch.bfloat16, ("T", "W + K", 512),
                         doc="rows [0, W) from the SWA cache, rows [W, W+K) from the compressed cache"),),
     params=(Param("debug_check", "bool", "{False, True}", "validate block tables and indices on the host (syncs)"),),
     formula="l -> page = block_table[req, l // bs], off = l % bs; row = e4m3 * 2^(sf - 127) (exact in bf16), bf16 rope; "
-            "l < 0, l // bs >= max_blocks, page outside [0, num_blocks) -> zeros",
+            "l < 0, l >= lens[req], l // bs >= max_blocks, page outside [0, num_blocks) -> zeros",
     source=_SOURCE + "; FlashMLA dequantize_and_gather_k_cache",
-    notes="One warp per output row, one launch; never reads out of bounds.",
+    notes="One launch, no host sync, CUDA-graph capturable; never reads out of bounds, never reads another "
+          "request's entries (indices at or past lens[req] give zero rows even when the block_table column holds "
+          "a page). Providers: dsl (kernels_dsl/kv_cache.py), cuda (kernels_cuda/kv_cache.cu), torch.",
 )
 
 
 def _gather_example(target: Target) -> dict:
-    return {"fmt": "fp8_ds_mla", "swa": True, "device": target.device_type}
+    return {"fmt": "fp8_ds_mla", "swa": True, "device": target.device_type, "i32": True}
 
 
 GATHER_OP = register(Op("kv_gather", GATHER_SPEC, module="kv_cache", example_problem=_gather_example))
 
 
-@torch.library.custom_op("dsv4::kv_gather", mutates_args=())
-def _kv_gather_op(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
+@custom_op("dsv4::kv_gather", mutates_args=())
+def _kv_gather_op(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor,
                   req_idx: Optional[torch.Tensor], swa_cache: Optional[torch.Tensor],
-                  swa_block_table: Optional[torch.Tensor], swa_indices: Optional[torch.Tensor]) -> torch.Tensor:
+                  swa_block_table: Optional[torch.Tensor], swa_indices: Optional[torch.Tensor],
+                  swa_lens: Optional[torch.Tensor]) -> torch.Tensor:
     fmt, _ = _cache_info(cache, KV_DIM)
-    problem = {"fmt": fmt, "swa": swa_indices is not None, "device": cache.device.type}
+    W = swa_indices.shape[1] if swa_indices is not None else 0
+    big = max(cache.numel() * cache.element_size(), indices.shape[0] * (W + indices.shape[1]) * KV_DIM * 2,
+              swa_cache.numel() * swa_cache.element_size() if swa_cache is not None else 0)
+    problem = {"fmt": fmt, "swa": swa_indices is not None, "device": cache.device.type, "i32": big < _I32_BYTES}
     return GATHER_OP.dispatch(problem, Target.of(cache.device), cache=cache, block_table=block_table,
-                              indices=indices, req_idx=req_idx, swa_cache=swa_cache,
-                              swa_block_table=swa_block_table, swa_indices=swa_indices)
+                              indices=indices, lens=lens, req_idx=req_idx, swa_cache=swa_cache,
+                              swa_block_table=swa_block_table, swa_indices=swa_indices, swa_lens=swa_lens)
 
 
 @_kv_gather_op.register_fake
-def _(cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices):
+def _(cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table, swa_indices, swa_lens):
     W = swa_indices.shape[1] if swa_indices is not None else 0
     return indices.new_empty((indices.shape[0], W + indices.shape[1], KV_DIM), dtype=torch.bfloat16)
 
 
-def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, *,
+def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, *, lens: torch.Tensor,
               req_idx: Optional[torch.Tensor] = None, swa_cache: Optional[torch.Tensor] = None,
               swa_block_table: Optional[torch.Tensor] = None, swa_indices: Optional[torch.Tensor] = None,
-              debug_check: bool = False) -> torch.Tensor:
+              swa_lens: Optional[torch.Tensor] = None, debug_check: bool = False) -> torch.Tensor:
     """Gather and dequantize KV rows for sparse attention (SWA window + top-k compressed).
 
     Args:
@@ -262,12 +276,19 @@ def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Ten
         block_table: int32 ``[R, max_blocks]`` pages of each request's compressed cache.
         indices: int32 ``[T, K]`` logical compressed entry ids (the indexer's top-k, or all
             entries ``b < (t+1) // ratio`` for HCA); ``-1`` = no entry (zero row).
+        lens: int32 ``[R]`` (required, keyword) valid compressed entries of each request
+            (``L_r // ratio`` after the compressor ran): index ``l`` of a query of request
+            ``r`` is read only when ``0 <= l < lens[r]``; any other index gives a zero row, so a
+            query never reads another request's entries through a stale or padded block_table
+            column (isolation; checked on the device, no host sync).
         req_idx: int32 ``[T]`` request of each query row (default ``t``; then ``R >= T``).
-        swa_cache, swa_block_table, swa_indices: the SWA ring cache (same format as ``cache``),
-            its pages, and int32 ``[T, W]`` logical ring slots (``pos % 128``; -1 = none). All
-            three or none.
-        debug_check: validate block tables (entries in ``[-1, num_blocks)``) and indices
-            (``-1 <= l < max_blocks * bs``) on the host (syncs).
+        swa_cache, swa_block_table, swa_indices, swa_lens: the SWA ring cache (same format as
+            ``cache``), its pages, int32 ``[T, W]`` logical ring slots (``pos % 128``; -1 =
+            none), and int32 ``[Rs]`` valid ring slots of each request (``min(L_r, 128)``; slot
+            ``l`` is read only when ``l < swa_lens[r]``). All four or none.
+        debug_check: validate block tables (entries in ``[-1, num_blocks)``), lens
+            (``0 <= lens <= max_blocks * bs``) and indices (``-1 <= l < max_blocks * bs``) on the
+            host (syncs).
 
     Returns:
         bfloat16 ``[T, W + K, 512]``: rows ``[0, W)`` from the SWA cache, then the compressed
@@ -278,15 +299,16 @@ def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Ten
         LayoutError: dtype / shape / format mismatch (names the argument), e.g. a bf16 SWA
             cache with an fp8 compressed cache.
         ValueError: partial SWA arguments, or ``debug_check`` finds a bad value. Without it,
-            invalid indices / pages give zero rows on the device (never out of bounds).
+            invalid indices / pages / indices at or past ``lens`` give zero rows on the device
+            (never out of bounds, never another request's rows; negative ``lens`` = empty).
 
     Source: dsv4_spec.md 2.2 (window + compressed key set, -1 invalid), 4.4 (item 12).
     """
-    swa = (swa_cache, swa_block_table, swa_indices)
+    swa = (swa_cache, swa_block_table, swa_indices, swa_lens)
     if any(x is not None for x in swa) and not all(x is not None for x in swa):
-        raise ValueError("kv_gather: pass all of swa_cache, swa_block_table, swa_indices or none of them")
-    tensors = {"block_table": block_table, "indices": indices, "req_idx": req_idx,
-               "swa_block_table": swa_block_table, "swa_indices": swa_indices}
+        raise ValueError("kv_gather: pass all of swa_cache, swa_block_table, swa_indices, swa_lens or none of them")
+    tensors = {"block_table": block_table, "indices": indices, "lens": lens, "req_idx": req_idx,
+               "swa_block_table": swa_block_table, "swa_indices": swa_indices, "swa_lens": swa_lens}
     GATHER_SPEC.validate(tensors, specs=[s for s in GATHER_SPEC.inputs if s.name in tensors])
     fmt, bs = _cache_info(cache, KV_DIM)
     if swa_cache is not None:
@@ -311,7 +333,12 @@ def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Ten
                 raise ValueError(f"kv_gather: swa_indices outside [-1, swa_max_blocks * block_size = {lim})")
         if req_idx is not None and bool(((req_idx < 0) | (req_idx >= block_table.shape[0])).any()):
             raise ValueError(f"kv_gather: req_idx outside [0, {block_table.shape[0]})")
-    return torch.ops.dsv4.kv_gather(cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices)
+        for name, ln, bt_, b_ in (("lens", lens, block_table, bs), ("swa_lens", swa_lens, swa_block_table,
+                                                                     sbs if swa_cache is not None else 0)):
+            if ln is not None and bool(((ln < 0) | (ln > bt_.shape[1] * b_)).any()):
+                raise ValueError(f"kv_gather: {name} outside [0, max_blocks * block_size = {bt_.shape[1] * b_}]")
+    return torch.ops.dsv4.kv_gather(cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table,
+                                    swa_indices, swa_lens)
 
 
 # =============================================================================== compressor
@@ -393,7 +420,9 @@ DECODE_SPEC = OpSpec(
     summary="DSV4 compressor, decode: append one token per sequence to the FP32 state; at a block boundary "
             "emit the compressed entry (bit-identical to prefill).",
     inputs=_COMPRESS_INPUTS + (
-        TensorSpec("positions", _IDX, ("B",), align=4, doc="position of this step's token per sequence; -1 = skip"),
+        TensorSpec("positions", _IDX, ("B",), align=4,
+                   doc="position of this step's token per sequence; -1 = skip (on the device any negative value "
+                       "skips; CPU tensors: values < -1 or past the block / rope table raise)"),
         TensorSpec("block_table", torch.int32, ("Bt", "max_blocks"), align=4, doc="compressed cache pages per sequence"),
         _COMPRESS_CACHE,
         TensorSpec("kv_state", torch.float32, ("Bs", "NR", "CH"), doc=_STATE),
@@ -403,7 +432,8 @@ DECODE_SPEC = OpSpec(
     formula=_COMPRESS_FORMULA + "; state row (coff-1)*ratio + pos % ratio <- (kv, score + ape[pos % ratio]); "
                                 "ratio 4: after emitting, rows [0:4] <- rows [4:8]",
     source=_SOURCE,
-    notes="One CTA per sequence; the pooling code and order are those of kv_compress_prefill.",
+    notes="One CTA per sequence; the pooling code and order are those of kv_compress_prefill. A position whose entry "
+          "lies past the block table (or on a page outside [0, num_blocks)) updates the state and writes no entry.",
 )
 
 
@@ -415,7 +445,7 @@ PREFILL_OP = register(Op("kv_compress_prefill", PREFILL_SPEC, module="kv_cache",
 DECODE_OP = register(Op("kv_compress_decode", DECODE_SPEC, module="kv_cache", example_problem=_compress_example))
 
 
-@torch.library.custom_op("dsv4::kv_compress_prefill", mutates_args=("cache", "kv_state", "score_state"))
+@custom_op("dsv4::kv_compress_prefill", mutates_args=("cache", "kv_state", "score_state"))
 def _kv_compress_prefill_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                             rope_cos_sin: torch.Tensor, cu_seqlens: torch.Tensor, block_table: torch.Tensor,
                             cache: torch.Tensor, kv_state: Optional[torch.Tensor],
@@ -433,7 +463,7 @@ def _(kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
     return None
 
 
-@torch.library.custom_op("dsv4::kv_compress_decode", mutates_args=("cache", "kv_state", "score_state"))
+@custom_op("dsv4::kv_compress_decode", mutates_args=("cache", "kv_state", "score_state"))
 def _kv_compress_decode_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                            rope_cos_sin: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
                            cache: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor, eps: float) -> None:
@@ -469,22 +499,30 @@ def kv_compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
         ape: float32 ``[ratio, coff*d]`` (ratio 4 or 128).
         norm_weight: float32 ``[d]``; d = 512 (attention) or 128 (indexer: Hadamard + MXFP4).
         rope_cos_sin: float32 ``[P, 64]`` interleaved cos/sin (``dsv4.reference.rope.rope_cos_sin_table``);
-            ``P`` must exceed every ``b * ratio`` (clamped on the device; checked by ``debug_check``).
-        cu_seqlens: int32 ``[B + 1]``.
-        block_table: int32 ``[>= B, max_blocks]``.
+            ``P`` must exceed every ``b * ratio`` (clamped to row ``P - 1`` on the device).
+        cu_seqlens: int32 ``[B + 1]``, non-decreasing within ``[0, T]``. Checked where it is free
+            (CPU tensors) and with ``debug_check``; on a GPU, without ``debug_check`` (no host sync),
+            a sequence whose range ``[cu_seqlens[i], cu_seqlens[i+1])`` is not inside ``[0, T]``
+            (decreasing, negative or past ``T``) counts as empty: no entries, decode state rows
+            reset to (0, -inf); nothing is read out of bounds.
+        block_table: int32 ``[>= B, max_blocks]``; entries whose page is -1 or outside
+            ``[0, num_blocks)``, or whose page column is past ``max_blocks``, are not written.
         cache: d=512: uint8 ``[nb, bs*584]`` or bf16 ``[nb, bs, 512]``; d=128: uint8
             ``[nb, bs*68]`` (MXFP4) or bf16 ``[nb, bs, 128]``.
         kv_state, score_state: optional float32 ``[>= B, coff*ratio, coff*d]`` (both or neither).
         eps: RMSNorm epsilon.
         debug_check: host-side value checks (syncs): cu_seqlens monotone within [0, T], pages in
-            range, rope table long enough.
+            range, rope table long enough, every entry inside the block table. On CPU tensors the
+            same checks always run (they cost no device sync), except the page values.
 
     Returns:
         None.
 
     Raises:
         LayoutError: shapes / dtypes / formats (names the argument).
-        ValueError: ``debug_check`` failures.
+        ValueError: value checks (CPU tensors, or ``debug_check``): ``cu_seqlens`` decreasing or
+            outside ``[0, T]``, the rope table or the block table too short; ``debug_check``: a page
+            outside ``[-1, num_blocks)``.
 
     Source: FLASH-REF model.py Compressor.forward (start_pos == 0 branch), dsv4_spec.md 2.3, 4.2.
     """
@@ -495,13 +533,21 @@ def kv_compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
                                                     PREFILL_SPEC, extra)
     B = cu_seqlens.shape[0] - 1
     _check_table("block_table", block_table, B)
+    if rope_cos_sin.shape[0] == 0:
+        raise LayoutError("kv_compress_prefill: argument 'rope_cos_sin' has 0 rows; it needs one per position b * ratio")
     if kv_state is not None:
         _check_state("kv_compress_prefill", kv_state, score_state, B, ratio, d, coff, kv.device)
-    if debug_check:
+    if debug_check or kv.device.type == "cpu":   # host values: free on CPU tensors, a sync on a GPU
         cu = cu_seqlens.long()
-        if B and (bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) < 0 or int(cu[-1]) > kv.shape[0]):
-            raise ValueError(f"kv_compress_prefill: cu_seqlens must be non-decreasing within [0, T={kv.shape[0]}]")
-        _debug_table("block_table", block_table, cache.shape[0])
+        T = kv.shape[0]
+        bad = torch.cat([cu[:1] < 0, cu[1:] < cu[:-1], cu[-1:] > T]).nonzero().flatten()
+        if B and bad.numel():
+            i = min(int(bad[0]), B)
+            raise ValueError(f"kv_compress_prefill: argument 'cu_seqlens' must be non-decreasing within [0, T={T}] "
+                             f"(T = kv.shape[0]); cu_seqlens[{i}] = {int(cu[i])}"
+                             + (f" after cu_seqlens[{i - 1}] = {int(cu[i - 1])}" if i else ""))
+        if debug_check:
+            _debug_table("block_table", block_table, cache.shape[0])
         if B:
             n_max = int((cu[1:] - cu[:-1]).max()) // ratio
             if n_max and (n_max - 1) * ratio >= rope_cos_sin.shape[0]:
@@ -530,16 +576,24 @@ def kv_compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     Args:
         kv, score: float32 ``[B, coff*d]`` (this step's ``wkv(x)``, ``wgate(x)``).
         ape, norm_weight, rope_cos_sin, block_table, cache, eps: as :func:`kv_compress_prefill`.
-        positions: int32/int64 ``[B]``.
+        positions: int32/int64 ``[B]``: -1 = skip this sequence, else ``>= 0`` with the entry
+            ``pos // ratio`` inside the block table (``< max_blocks * bs``) and the rope table
+            (``pos // ratio * ratio < P``). Checked where it is free (CPU tensors) and with
+            ``debug_check``; on a GPU without ``debug_check`` (no host sync): any negative position
+            skips its sequence (state and cache untouched); a position whose entry falls outside
+            the block table (or on a page -1 / outside ``[0, num_blocks)``) updates the state but
+            writes no entry; the rope row is clamped to ``P - 1``; nothing is read out of bounds.
         kv_state, score_state: float32 ``[>= B, coff*ratio, coff*d]`` (from prefill or
             :func:`new_compress_state`).
-        debug_check: host-side checks of pages / rope table (syncs).
+        debug_check: host-side checks of positions / pages / rope table (syncs).
 
     Returns:
         None.
 
     Raises:
-        LayoutError: shapes / dtypes / formats. ValueError: ``debug_check`` failures.
+        LayoutError: shapes / dtypes / formats. ValueError: value checks (CPU tensors, or
+            ``debug_check``): a position below -1 or past the block / rope table; ``debug_check``:
+            a page outside ``[-1, num_blocks)``.
 
     Source: FLASH-REF model.py Compressor.forward (start_pos > 0 branch), dsv4_spec.md 2.3.
     """
@@ -550,12 +604,21 @@ def kv_compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     if kv.shape[0] != B:
         raise LayoutError(f"kv_compress_decode: kv has {kv.shape[0]} rows, positions has {B}")
     _check_table("block_table", block_table, B)
+    if rope_cos_sin.shape[0] == 0:
+        raise LayoutError("kv_compress_decode: argument 'rope_cos_sin' has 0 rows; it needs one per position b * ratio")
     _check_state("kv_compress_decode", kv_state, score_state, B, ratio, d, coff, kv.device)
-    if debug_check:
-        _debug_table("block_table", block_table, cache.shape[0])
-        if B and int(positions.max()) // ratio * ratio >= rope_cos_sin.shape[0]:
-            raise ValueError(f"kv_compress_decode: rope_cos_sin has {rope_cos_sin.shape[0]} rows, too short for "
-                             f"position {int(positions.max())}")
+    if debug_check or kv.device.type == "cpu":   # host values: free on CPU tensors, a sync on a GPU
+        if debug_check:
+            _debug_table("block_table", block_table, cache.shape[0])
+        p = positions.long()
+        cap = block_table.shape[1] * bs
+        bad = ((p < -1) | ((p >= 0) & ((p // ratio >= cap) | (p // ratio * ratio >= rope_cos_sin.shape[0])))).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            why = ("-1 = skip, else >= 0" if int(p[i]) < -1 else
+                   f"its entry {int(p[i]) // ratio} must lie inside block_table ({block_table.shape[1]} pages x {bs} "
+                   f"= {cap} entries) and rope_cos_sin ({rope_cos_sin.shape[0]} rows)")
+            raise ValueError(f"kv_compress_decode: argument 'positions' has positions[{i}] = {int(p[i])}: {why}")
     if B == 0:
         return
     torch.ops.dsv4.kv_compress_decode(kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,
@@ -615,6 +678,8 @@ def graph_cases(device) -> list:
     idx = torch.empty(T, K, dtype=torch.int32, device=dev)
     swa_bt = torch.arange(T * 2, dtype=torch.int32, device=dev).view(T, 2) % swa.shape[0]
     swa_idx = torch.empty(T, 128, dtype=torch.int32, device=dev)
+    lens = torch.empty(T, dtype=torch.int32, device=dev)
+    swa_lens = torch.empty(T, dtype=torch.int32, device=dev)
     # compressor (ratio 4, d = 512: coff = 2)
     cu = torch.tensor([0, 64, 101], dtype=torch.int32, device=dev)       # two sequences: 64 and 37 tokens
     ckv = torch.empty(101, 1024, device=dev)
@@ -637,6 +702,8 @@ def graph_cases(device) -> list:
         bt.copy_(torch.randint(-1, nb, (T, 16), generator=gen, dtype=torch.int32))
         idx.copy_(torch.randint(-1, 16 * bs, (T, K), generator=gen, dtype=torch.int32))
         swa_idx.copy_(torch.randint(-1, 128, (T, 128), generator=gen, dtype=torch.int32))
+        lens.copy_(torch.randint(0, 16 * bs + 1, (T,), generator=gen, dtype=torch.int32))
+        swa_lens.copy_(torch.randint(0, 129, (T,), generator=gen, dtype=torch.int32))
         for t, s in ((ckv, 1.5), (csc, 2.0), (ape, 0.5), (dkv, 1.5), (dsc, 2.0)):
             t.copy_(torch.randn(t.shape, generator=gen) * s)
         nw.copy_(torch.rand(512, generator=gen) + 0.5)
@@ -648,7 +715,8 @@ def graph_cases(device) -> list:
         return cache.clone()
 
     def gather():
-        return kv_gather(cache, bt, idx, swa_cache=swa, swa_block_table=swa_bt, swa_indices=swa_idx)
+        return kv_gather(cache, bt, idx, lens=lens, swa_cache=swa, swa_block_table=swa_bt, swa_indices=swa_idx,
+                         swa_lens=swa_lens)
 
     def prefill():
         kv_compress_prefill(ckv, csc, ape, nw, table, cu, cbt, ccache)

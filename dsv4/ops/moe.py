@@ -44,7 +44,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, register
+from ..registry import Op, custom_op, register
 from ..target import Target
 
 FORMATS = {"mxfp4": 32, "nvfp4": 16}
@@ -54,8 +54,6 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: ``moe_forward(out_dtype=...)`` choices (floating only: an integer dtype would truncate)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LAYOUTS = ("contiguous", "masked")
-#: GEMM tile sizes of the CUDA kernel (also the prepare reordering granule)
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 128
 
 # ------------------------------------------------------------------------------------------
 # prepare
@@ -206,7 +204,8 @@ def moe_prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Te
     Raises:
         LayoutError: wrong dtype (including raw uint8 scales), shape, missing/ill-shaped global
             scales (e.g. a single scale for all experts), I % 128 or D % 256 != 0.
-        ValueError: unknown ``fmt`` / ``sf_layout``.
+        ValueError: unknown ``fmt`` / ``sf_layout``; a NaN / Inf global scale (it would turn the
+            whole expert into NaN; checked on the host: a load-time op, the one sync is fine).
     """
     if fmt not in FORMATS:
         raise ValueError(f"moe_prepare_weights: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
@@ -224,6 +223,11 @@ def moe_prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Te
     if fmt == "nvfp4" and (w13_global is None or w2_global is None):
         raise LayoutError("moe_prepare_weights: fmt='nvfp4' needs per-expert global scales w13_global "
                           "float32 [E, 2] (gate, up) and w2_global float32 [E]")
+    for name, g in (("w13_global", w13_global), ("w2_global", w2_global)):
+        if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel() and not bool(torch.isfinite(g).all()):
+            bad = (~torch.isfinite(g)).nonzero()[0].tolist()
+            raise ValueError(f"moe_prepare_weights: argument '{name}' has a non-finite value at {bad} "
+                             f"({float(g[tuple(bad)])}); per-expert global scales must be finite")
     env = PREPARE_SPEC.validate({"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale,
                                  "w13_global": w13_global, "w2_global": w2_global},
                                 symbols={"SF": SF, "I": w13.shape[1] // 2 if w13.dim() == 3 else -1,
@@ -296,7 +300,7 @@ def _ex_route(target):
 ROUTE_OP = register(Op("moe_route", ROUTE_SPEC, module="moe_glue", example_problem=_ex_route))
 
 
-@torch.library.custom_op("dsv4::moe_route", mutates_args=())
+@custom_op("dsv4::moe_route", mutates_args=())
 def _moe_route_op(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor],
                   input_ids: Optional[torch.Tensor], tid2eid: Optional[torch.Tensor], topk: int,
                   route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,6 +383,7 @@ class MoEGrouped(NamedTuple):
     an expert id outside ``[0, E)``). Rows that hold no assignment are unspecified. The grouped GEMMs
     read ``pos.numel()`` (= T*topk) as the upper bound of the assignments that sizes the cuda decode
     plan (never the result): a hand-built grouping should give ``pos`` its real ``[T*topk]`` length.
+    :meth:`dropped` counts the dropped assignments on the device.
     """
 
     a: torch.Tensor
@@ -387,6 +392,11 @@ class MoEGrouped(NamedTuple):
     row_count: torch.Tensor
     route_w: torch.Tensor
     pos: torch.Tensor
+
+    def dropped(self) -> torch.Tensor:
+        """The dropped assignments (``pos == -1``: an expert id outside ``[0, E)``, or past ``max_m``
+        in the masked layout): an int64 0-d tensor on ``pos``'s device (no host sync; ``int()`` syncs)."""
+        return (self.pos < 0).sum()
 
 
 PERMUTE_SPEC = OpSpec(
@@ -459,7 +469,7 @@ PERMUTE_OP = register(Op("moe_permute", PERMUTE_SPEC, module="moe_glue", example
 COMBINE_OP = register(Op("moe_combine", COMBINE_SPEC, module="moe_glue", example_problem=_ex_combine))
 
 
-@torch.library.custom_op("dsv4::moe_permute", mutates_args=())
+@custom_op("dsv4::moe_permute", mutates_args=())
 def _moe_permute_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, act: str,
                     layout: str, max_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                       torch.Tensor, torch.Tensor]:
@@ -481,7 +491,7 @@ def _(x, topk_idx, topk_w, num_experts, act, layout, max_m):
             x.new_empty((R,), dtype=torch.float32), x.new_empty((n,), dtype=torch.int64))
 
 
-@torch.library.custom_op("dsv4::moe_combine", mutates_args=())
+@custom_op("dsv4::moe_combine", mutates_args=())
 def _moe_combine_op(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int,
                     out_dtype: torch.dtype) -> torch.Tensor:
     from ._common import dtype_name
@@ -626,8 +636,10 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int, 
 # ------------------------------------------------------------------------------------------
 # grouped GEMMs
 _GROUP_INPUTS = (
-    TensorSpec("row_start", torch.int32, ("E",), align=4, doc="first grouped row of each expert"),
-    TensorSpec("row_count", torch.int32, ("E",), align=4, doc="rows of each expert (0 = no work)"),
+    TensorSpec("row_start", torch.int32, ("E",), align=4,
+               doc="first grouped row of each expert; a value outside [0, R) gives the expert no rows"),
+    TensorSpec("row_count", torch.int32, ("E",), align=4,
+               doc="rows of each expert (<= 0 = no work; clamped to R - row_start on every provider, never faults)"),
 )
 
 GEMM1_SPEC = OpSpec(
@@ -710,7 +722,7 @@ def _gemm_problem(a: torch.Tensor, w: torch.Tensor, fmt: str, max_m: Optional[in
             "max_m": None if max_m is None or max_m < 0 else int(max_m), "device": a.device.type}
 
 
-@torch.library.custom_op("dsv4::moe_gemm1_swiglu", mutates_args=())
+@custom_op("dsv4::moe_gemm1_swiglu", mutates_args=())
 def _gemm1_op(a: torch.Tensor, a_s: Optional[torch.Tensor], w13: torch.Tensor, w13_scale: torch.Tensor,
               g13: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, route_w: torch.Tensor,
               fmt: str, max_m: int = -1, assignments: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -727,7 +739,7 @@ def _(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt, max_m=-1,
     return a.new_empty((R, I)), a.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("dsv4::moe_gemm2", mutates_args=())
+@custom_op("dsv4::moe_gemm2", mutates_args=())
 def _gemm2_op(h: torch.Tensor, h_s: Optional[torch.Tensor], w2: torch.Tensor, w2_scale: torch.Tensor,
               g2: torch.Tensor, row_start: torch.Tensor, row_count: torch.Tensor, fmt: str,
               max_m: int = -1, assignments: int = -1) -> torch.Tensor:
@@ -776,6 +788,10 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = Non
         (UE8M0 powers of two); bf16 path: ``h`` bf16 ``[R, I]``, ``h_s`` empty. Rows outside every
         expert's range are unspecified.
 
+    Bad grouping metadata (a hand-built :class:`MoEGrouped`) never faults, on every provider: expert
+    ``e`` owns rows ``[s, s + min(c, R - s))`` when ``0 <= s = row_start[e] < R`` and
+    ``c = row_count[e] > 0``, else none (values are not checked: that needs a sync).
+
     Raises:
         LayoutError: operands not matching ``docs/layouts/moe_gemm1_swiglu.md``.
     """
@@ -806,6 +822,7 @@ def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: Mo
         fp32 ``[R, D]``: row r of expert e is its down-projection (routing weight already in
         ``h``); rows outside every expert's ``[row_start, row_start + row_count)`` are
         unspecified. Feed it to :func:`moe_combine`.
+        Bad ``row_start`` / ``row_count`` are clamped as in :func:`moe_gemm1_swiglu`.
 
     Raises:
         LayoutError: layout mismatch (``docs/layouts/moe_gemm2.md``), missing / extra ``h_s``.

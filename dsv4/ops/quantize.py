@@ -1,14 +1,21 @@
 """Quantization ops: bf16/fp16 ``[M, K]`` -> NVFP4 / MXFP4 / FP8 blocks, and FP8-block dequant.
 
 Every op is bit-exact with the torch reference formats in :mod:`dsv4.formats` (the ``torch``
-provider calls them; the ``cuda`` provider is ``kernels_cuda/quantize.cu``). NVFP4 / MXFP4
-dequantization is the existing op :func:`dsv4.ops.dequant_fp4`.
+provider calls them). GPU providers: CuTe DSL ``kernels_dsl/quantize.py`` (kernels in
+``kernels_dsl/quantize_fp4.py`` / ``quantize_fp8.py``) and CUDA ``kernels_cuda/quantize.cu``; the
+registry prefers the one measured faster for the problem class (the problem carries ``M``; the
+numbers are in ``kernels_dsl/quantize.py`` ``MEASURED``). NVFP4 / MXFP4 dequantization is the
+existing op :func:`dsv4.ops.dequant_fp4`.
 
-The ``cuda`` provider never synchronizes with the host (no ``.item()``): the NVFP4 global
-scale is computed from the amax on the device, in one launch for small tensors and two
+The GPU providers never synchronize with the host (no ``.item()``): the NVFP4 global scale is
+computed from the amax on the device, in one launch for small tensors (a single CTA, or one
+grid-synchronized launch that keeps the tiles in registers across the grid-wide amax) and two
 launches otherwise (amax partials, then quantize reading them), so every op is CUDA-graph
-capturable. The ``torch`` provider is the oracle and is not (``dsv4.formats`` validates
-with host syncs).
+capturable. The ``torch`` provider is the oracle and is not (``dsv4.formats`` validates with
+host syncs).
+
+FP4 non-finite rule (OCP MX v1.0 6.3, issue 19 item 13): a block holding a NaN / Inf gets the NaN
+scale and zero codes (it decodes to NaN); FP8 keeps NaN per element (E4M3 has a NaN).
 """
 from __future__ import annotations
 
@@ -16,9 +23,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..formats import E2M1_NAN_CODE, NVFP4Tensor
+from ..formats import NVFP4Tensor
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, register
+from ..registry import Op, custom_op, register
 from ..target import Target
 from ._common import dtype_name
 
@@ -44,7 +51,7 @@ SPEC_NVFP4 = OpSpec(
         TensorSpec("global_scale", torch.float32, (1,), align=4, optional=True,
                    doc="optional caller-supplied DECODE multiplier g_dec (~amax/2688, e.g. a checkpoint's "
                        "weight_scale_2); must be finite and > 0 (not checked on the device). None = computed "
-                       "from the finite amax of x"),
+                       "from the amax of x (NaN if x holds a NaN / Inf)"),
     ),
     outputs=(
         TensorSpec("data", torch.uint8, ("M", "K // 2"), output=True, packing=_E2M1_PACKING,
@@ -57,9 +64,11 @@ SPEC_NVFP4 = OpSpec(
     params=(Param("sf_layout", "str", "{'linear', 'swizzled'}", "scale-factor layout"),),
     constraints=(("K % 16 == 0", "K must be a multiple of 16 (one E4M3 scale per 16)"),
                  ("M >= 1", "x must have at least one row")),
-    formula="amax = finite max|x|; g_enc = min(2688 / amax, FLT_MAX) (1 if amax == 0); g_dec = 1/g_enc; per 16: "
+    formula="amax = max|x|; g_enc = min(2688 / amax, FLT_MAX) (1 if amax == 0, NaN if amax is NaN / Inf); "
+            "g_dec = 1/g_enc; per 16: "
             "s = e4m3(min(vmax * (g_enc * fp32(1/6)), 448)); enc = min(1/(s * g_dec), FLT_MAX); "
-            f"code = e2m1_rne(clamp(x * enc, -6, 6)), sign-only where s == 0, NaN -> {E2M1_NAN_CODE:#x}",
+            "code = e2m1_rne(clamp(x * enc, -6, 6)), sign-only where s == 0; a block holding a NaN / Inf (or any "
+            "block when g_enc is NaN): s = 0x7F (NaN), codes 0 (OCP MX v1.0 6.3)",
     source="dsv4.formats.nvfp4 (TransformerEngine NVFP4 reference quantizer order; NVIDIA NVFP4 "
            "checkpoints: dsv4_spec.md 2.7)",
 )
@@ -76,7 +85,8 @@ SPEC_MXFP4 = OpSpec(
     params=(Param("rule", "str", "{'dsv4', 'ocp'}", "scale rule: dsv4 s = 2^ceil(log2(max(amax, 6*2^-126) * "
                   "fp32(1/6))); ocp s = 2^clamp(floor(log2(amax)) - 2, -127, 127)"),),
     constraints=(("K % 32 == 0", "K must be a multiple of 32 (one UE8M0 scale per 32)"),),
-    formula=f"code = e2m1_rne(clamp(x / s, -6, 6)); block amax over finite elements; NaN -> {E2M1_NAN_CODE:#x}",
+    formula="code = e2m1_rne(clamp(x / s, -6, 6)); a block holding a NaN / Inf: s = 0xFF (NaN), codes 0 "
+            "(OCP MX v1.0 6.3)",
     source="dsv4.formats.mxfp4; DSV4 kernel.py fp4_quant_kernel (dsv4_spec.md 2.1); OCP MX v1.0 6.3",
 )
 
@@ -147,11 +157,11 @@ def _swizzled_shape(M: int, K: int) -> tuple:
 
 
 # ------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("dsv4::quantize_nvfp4", mutates_args=())
+@custom_op("dsv4::quantize_nvfp4", mutates_args=())
 def _quantize_nvfp4_op(x: torch.Tensor, global_scale: Optional[torch.Tensor],
                        sf_layout: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     problem = {"in_dtype": dtype_name(x.dtype), "K": x.shape[1], "sf_layout": sf_layout,
-               "global_scale": global_scale is not None, "device": x.device.type}
+               "global_scale": global_scale is not None, "device": x.device.type, "M": x.shape[0]}
     return OP_NVFP4.dispatch(problem, Target.of(x.device), x=x, global_scale=global_scale)
 
 
@@ -163,9 +173,9 @@ def _(x, global_scale, sf_layout):
             x.new_empty((2,), dtype=torch.float32))
 
 
-@torch.library.custom_op("dsv4::quantize_mxfp4", mutates_args=())
+@custom_op("dsv4::quantize_mxfp4", mutates_args=())
 def _quantize_mxfp4_op(x: torch.Tensor, rule: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    problem = {"in_dtype": dtype_name(x.dtype), "K": x.shape[1], "rule": rule, "device": x.device.type}
+    problem = {"in_dtype": dtype_name(x.dtype), "K": x.shape[1], "rule": rule, "device": x.device.type, "M": x.shape[0]}
     return OP_MXFP4.dispatch(problem, Target.of(x.device), x=x)
 
 
@@ -175,11 +185,11 @@ def _(x, rule):
     return x.new_empty((M, K // 2), dtype=torch.uint8), x.new_empty((M, K // 32), dtype=torch.float8_e8m0fnu)
 
 
-@torch.library.custom_op("dsv4::quantize_fp8_block", mutates_args=())
+@custom_op("dsv4::quantize_fp8_block", mutates_args=())
 def _quantize_fp8_block_op(x: torch.Tensor, block: int, scale_fmt: str,
                            scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     problem = {"in_dtype": dtype_name(x.dtype), "K": x.shape[1], "block": block, "scale_fmt": scale_fmt,
-               "scale_dtype": dtype_name(scale_dtype), "device": x.device.type}
+               "scale_dtype": dtype_name(scale_dtype), "device": x.device.type, "M": x.shape[0]}
     return OP_FP8.dispatch(problem, Target.of(x.device), x=x)
 
 
@@ -189,11 +199,11 @@ def _(x, block, scale_fmt, scale_dtype):
     return x.new_empty((M, K), dtype=torch.float8_e4m3fn), x.new_empty((M, K // block), dtype=scale_dtype)
 
 
-@torch.library.custom_op("dsv4::dequantize_fp8_block", mutates_args=())
+@custom_op("dsv4::dequantize_fp8_block", mutates_args=())
 def _dequantize_fp8_block_op(q: torch.Tensor, scale: torch.Tensor, block: int,
                              out_dtype: torch.dtype) -> torch.Tensor:
     problem = {"K": q.shape[1], "block": block, "scale_dtype": dtype_name(scale.dtype),
-               "out_dtype": dtype_name(out_dtype), "device": q.device.type}
+               "out_dtype": dtype_name(out_dtype), "device": q.device.type, "M": q.shape[0]}
     return OP_DQ.dispatch(problem, Target.of(q.device), q=q, scale=scale)
 
 
@@ -224,8 +234,8 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale: Optional[torch.Tensor] = No
         x: bfloat16 / float16 (cuda provider) or float32 (torch provider) ``[M, K]``,
             contiguous, ``K % 16 == 0``, ``M >= 1``.
         global_scale: ``None`` (default): the global scale is computed on the device from the
-            finite amax of ``x`` (no host sync; ``g_enc = min(2688 / amax, FLT_MAX)``, 1.0
-            for an all-zero tensor). Or a float32 ``[1]`` / 0-dim tensor holding the DECODE
+            amax of ``x`` (no host sync; ``g_enc = min(2688 / amax, FLT_MAX)``, 1.0 for an
+            all-zero tensor, NaN when ``x`` holds a NaN / Inf). Or a float32 ``[1]`` / 0-dim tensor holding the DECODE
             multiplier ``g_dec`` (e.g. a checkpoint's ``weight_scale_2``); the caller
             guarantees it is finite and > 0 (the cuda provider does not check on the device).
         sf_layout: ``"linear"`` (scale ``[M, K/16]``) or ``"swizzled"`` (128x4 layout
@@ -241,7 +251,11 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale: Optional[torch.Tensor] = No
         ValueError: unknown ``sf_layout``.
         LayoutError: ``x`` / ``global_scale`` do not match ``docs/layouts/quantize_nvfp4.md``.
 
-    Formula and NaN/Inf policy: :mod:`dsv4.formats.nvfp4` (bit-exact). Source: TransformerEngine
+    NaN / Inf (OCP MX v1.0 6.3, tested by value): a 16-block holding a NaN or +-Inf gets the
+    NaN block scale (E4M3 0x7F) and zero codes, so it decodes to NaN; with a computed global
+    scale such a tensor gets ``global_scale = NaN`` and every block the NaN scale.
+
+    Formula: :mod:`dsv4.formats.nvfp4` (bit-exact). Source: TransformerEngine
     NVFP4 reference quantizer; NVIDIA NVFP4 checkpoints (dsv4_spec.md 2.7).
     """
     if sf_layout not in SF_LAYOUTS:
@@ -272,7 +286,10 @@ def quantize_mxfp4(x: torch.Tensor, *, rule: str = "dsv4") -> Tuple[torch.Tensor
         ValueError: unknown ``rule``.
         LayoutError: ``x`` does not match ``docs/layouts/quantize_mxfp4.md``.
 
-    Formula and NaN/Inf policy: :mod:`dsv4.formats.mxfp4` (bit-exact).
+    NaN / Inf (OCP MX v1.0 6.3, tested by value): a 32-block holding a NaN or +-Inf gets the
+    NaN scale (UE8M0 0xFF) and zero codes, so it decodes to NaN; other blocks are unaffected.
+
+    Formula: :mod:`dsv4.formats.mxfp4` (bit-exact).
     """
     if rule not in MXFP4_RULES:
         raise ValueError(f"quantize_mxfp4: rule must be one of {MXFP4_RULES}, got {rule!r}")
@@ -305,7 +322,8 @@ def quantize_fp8_block(x: torch.Tensor, *, block: int = 128, scale_fmt: str = "f
         ValueError: bad ``block`` / ``scale_fmt`` / ``scale_dtype`` combination.
         LayoutError: ``x`` does not match ``docs/layouts/quantize_fp8_block.md``.
 
-    Formula and NaN/Inf policy: :mod:`dsv4.formats.fp8` (bit-exact; NaN -> 0x7F, Inf -> +-448).
+    Formula and NaN/Inf policy: :mod:`dsv4.formats.fp8` (bit-exact; the block amax counts finite
+    elements only, NaN -> 0x7F, Inf -> +-448: E4M3 has a NaN, so NaN stays visible per element).
     """
     if block not in FP8_BLOCKS:
         raise ValueError(f"quantize_fp8_block: block must be one of {FP8_BLOCKS}, got {block!r}")
@@ -399,18 +417,20 @@ def graph_cases(device) -> list:
         return lambda: (lambda t: _bytes(t.data, t.scale, t.global_scale.reshape(1)))(
             quantize_nvfp4(src, global_scale=g if gs else None, sf_layout=layout))
 
-    nvp = lambda layout, gs: {"in_dtype": "bfloat16", "K": K, "sf_layout": layout, "global_scale": gs, "device": dt}
+    nvp = lambda layout, gs, m=M: {"in_dtype": "bfloat16", "K": K, "sf_layout": layout, "global_scale": gs, "device": dt,
+                                   "M": m}
     return [
         _GraphCase("quantize_nvfp4-swz-amax", "quantize_nvfp4", nv("swizzled"), refresh, nvp("swizzled", False)),
-        _GraphCase("quantize_nvfp4-lin-amax-1row", "quantize_nvfp4", nv("linear", src=xd), refresh, nvp("linear", False)),
+        _GraphCase("quantize_nvfp4-lin-amax-1row", "quantize_nvfp4", nv("linear", src=xd), refresh,
+                   nvp("linear", False, 1)),
         _GraphCase("quantize_nvfp4-swz-given", "quantize_nvfp4", nv("swizzled", gs=True), refresh, nvp("swizzled", True)),
         _GraphCase("quantize_mxfp4-dsv4", "quantize_mxfp4", lambda: _bytes(*quantize_mxfp4(x)), refresh,
-                   {"in_dtype": "bfloat16", "K": K, "rule": "dsv4", "device": dt}),
+                   {"in_dtype": "bfloat16", "K": K, "rule": "dsv4", "device": dt, "M": M}),
         _GraphCase("quantize_fp8_block-ue8m0", "quantize_fp8_block",
                    lambda: _bytes(*quantize_fp8_block(x, scale_fmt="ue8m0", scale_dtype=torch.float8_e8m0fnu)), refresh,
                    {"in_dtype": "bfloat16", "K": K, "block": 128, "scale_fmt": "ue8m0",
-                    "scale_dtype": "float8_e8m0fnu", "device": dt}),
+                    "scale_dtype": "float8_e8m0fnu", "device": dt, "M": M}),
         _GraphCase("dequantize_fp8_block-bf16", "dequantize_fp8_block",
                    lambda: dequantize_fp8_block(q, qs, block=128, out_dtype=torch.bfloat16), refresh,
-                   {"K": K, "block": 128, "scale_dtype": "float32", "out_dtype": "bfloat16", "device": dt}),
+                   {"K": K, "block": 128, "scale_dtype": "float32", "out_dtype": "bfloat16", "device": dt, "M": M}),
     ]

@@ -38,12 +38,13 @@ against the fp32 reference on the same dequantized rows.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, register
+from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
 from .kv_cache import _CACHE_PACKING, _cache_info, _check_ids
@@ -93,23 +94,35 @@ SPEC = OpSpec(
 )
 
 
-def _example(target: Target) -> dict:
-    return {"fmt": "fp8_ds_mla", "H": 64, "T": 64, "entries": 640, "split": None, "device": target.device_type}
+@dataclass(frozen=True)
+class SparseAttentionProblem(Problem):
+    """What selects the ``sparse_attention`` provider: cache format, heads, rows, entries per row,
+    the forced KV split (None = heuristic)."""
+
+    fmt: str            # "fp8_ds_mla" | "bf16"
+    H: int
+    T: int
+    entries: int        # window + compressed entries per row
+    split: Optional[int]
+    device: str
+
+
+def _example(target: Target) -> SparseAttentionProblem:
+    return SparseAttentionProblem("fp8_ds_mla", 64, 64, 640, None, target.device_type)
 
 
 #: dsl (kernels_dsl/sparse_attention.py, validated on the H200) first; torch = the reference, any device.
 OP = register(Op("sparse_attention", SPEC, kinds=("dsl", "torch"), example_problem=_example))
 
 
-@torch.library.custom_op("dsv4::sparse_attention", mutates_args=())
+@custom_op("dsv4::sparse_attention", mutates_args=())
 def _sparse_attention_op(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
                          swa_lens: torch.Tensor, sink: Optional[torch.Tensor], cache: Optional[torch.Tensor],
                          indices: Optional[torch.Tensor], lens: Optional[torch.Tensor], scale: float,
                          num_splits: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     fmt, _ = _cache_info(swa_cache, HEAD_DIM, "swa_cache")
     entries = swa_indices.shape[1] + (indices.shape[1] if indices is not None else 0)
-    problem = {"fmt": fmt, "H": q.shape[1], "T": q.shape[0], "entries": entries, "split": num_splits,
-               "device": q.device.type}
+    problem = SparseAttentionProblem(fmt, q.shape[1], q.shape[0], entries, num_splits, q.device.type)
     return OP.dispatch(problem, Target.of(q.device), q=q, swa_cache=swa_cache, swa_indices=swa_indices,
                        swa_lens=swa_lens, sink=sink, cache=cache, indices=indices, lens=lens, scale=scale,
                        num_splits=num_splits)

@@ -2,8 +2,10 @@
 
 Exact and deterministic: the selected set and its order are a function of the data only
 (score descending, ties by lower index), identical for every provider and launch
-configuration. Supports decode rows ``[0, lengths)``, prefill rows ``[starts, lengths)`` and a
-fused mapping of the selected positions through a paged-KV ``block_table``.
+configuration; ``sorted=False`` returns the same set bit for bit in an unspecified order.
+Supports decode rows ``[0, lengths)``, prefill rows ``[starts, lengths)`` and a fused mapping of
+the selected positions through a paged-KV ``block_table`` (entries outside ``[0, num_blocks)``
+map to -1).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..layout import OpSpec, Param, TensorSpec
-from ..registry import Op, register
+from ..registry import Op, custom_op, register
 from ..target import Target
 
 K_MAX = 2048
@@ -38,7 +40,9 @@ SPEC = OpSpec(
         TensorSpec("indices", torch.int32, ("rows", "k"), output=True,
                    doc="selected positions (absolute within the row, not relative to starts), or physical "
                        "slot ids block_table[r // rows_per_seq, p // block_size] * block_size + p % block_size "
-                       "if block_table is given; -1 = padding (stays -1 after mapping)"),
+                       "if block_table is given; -1 = padding (stays -1 after mapping), and -1 where the "
+                       "block_table entry is outside [0, num_blocks) or the slot id would pass 2^31 - 1 "
+                       "(the score is kept)"),
         TensorSpec("scores", torch.float32, ("rows", "k"), output=True,
                    doc="the selected logits (exact bits), -inf for padding (return_scores=True)"),
     ),
@@ -47,6 +51,10 @@ SPEC = OpSpec(
         Param("block_size", "int", ">= 1 with block_table", "tokens per KV block"),
         Param("rows_per_seq", "int", ">= 1", "logit rows per block_table row (decode: next_n; prefill: tokens)"),
         Param("return_scores", "bool", "{False, True}", "also return the selected scores"),
+        Param("sorted", "bool", "{True, False}", "True (default): score desc, ties by lower index; False: the same "
+              "set, unspecified order"),
+        Param("num_blocks", "Optional[int]", ">= 0", "physical blocks of the paged cache: block_table entries outside "
+              "[0, num_blocks) map to -1 (None: only negative entries do)"),
     ),
     constraints=(
         ("B * rows_per_seq == rows", "block_table must have rows / rows_per_seq rows (one per sequence)"),
@@ -54,7 +62,8 @@ SPEC = OpSpec(
     ),
     formula="selectable(r, p) = clamp(starts[r], 0, end) <= p < end = clamp(lengths[r], 0, stride) and "
             "logits[r, p] is not NaN and != -inf; output = the k selectable p with the largest "
-            "(logits[r, p], -p) in lexicographic order (-0.0 == +0.0), sorted descending; padding (-1, -inf)",
+            "(logits[r, p], -p) in lexicographic order (-0.0 == +0.0), sorted descending (sorted=False: same set, "
+            "any order); padding (-1, -inf); mapped slot = -1 unless 0 <= block_table entry < num_blocks",
     source="DSV4 lightning-indexer top-k (dsv4_spec.md), DSA decode/prefill index selection (vLLM persistent_topk, "
            "FlashInfer top_k_page_table_transform semantics); exact ties by lower index (issue 5)",
     notes="Bitwise identical across runs and launch configurations. +inf is selectable. Rows with fewer "
@@ -64,24 +73,25 @@ SPEC = OpSpec(
 
 
 def _example(target: Target) -> dict:
-    return {"k": 512, "prefill": False, "mapped": False, "device": target.device_type}
+    return {"k": 512, "prefill": False, "mapped": False, "sorted": True, "device": target.device_type}
 
 
 OP = register(Op("topk", SPEC, example_problem=_example))
 
 
-@torch.library.custom_op("dsv4::topk", mutates_args=())
+@custom_op("dsv4::topk", mutates_args=())
 def _topk_op(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Optional[torch.Tensor],
-             block_table: Optional[torch.Tensor], block_size: int,
-             rows_per_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = {"k": k, "prefill": starts is not None, "mapped": block_table is not None,
+             block_table: Optional[torch.Tensor], block_size: int, rows_per_seq: int, sorted: bool,
+             num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = {"k": k, "prefill": starts is not None, "mapped": block_table is not None, "sorted": sorted,
                "device": logits.device.type}
     return OP.dispatch(problem, Target.of(logits.device), logits=logits, lengths=lengths, k=k, starts=starts,
-                       block_table=block_table, block_size=block_size, rows_per_seq=rows_per_seq)
+                       block_table=block_table, block_size=block_size, rows_per_seq=rows_per_seq, sorted=sorted,
+                       num_blocks=None if num_blocks < 0 else num_blocks)
 
 
 @_topk_op.register_fake
-def _(logits, lengths, k, starts, block_table, block_size, rows_per_seq):
+def _(logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted, num_blocks):
     rows = logits.shape[0]
     return (logits.new_empty((rows, k), dtype=torch.int32), logits.new_empty((rows, k), dtype=torch.float32))
 
@@ -97,7 +107,7 @@ def _check_int(name: str, v, lo: int, hi: int | None = None) -> int:
 
 def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: Optional[torch.Tensor] = None,
          block_table: Optional[torch.Tensor] = None, block_size: int = 0, rows_per_seq: int = 1,
-         return_scores: bool = False):
+         return_scores: bool = False, sorted: bool = True, num_blocks: Optional[int] = None):
     """Exact per-row top-k of indexer logits.
 
     Args:
@@ -111,10 +121,15 @@ def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: Optiona
         block_table: optional int32 ``[B, max_blocks]`` with ``B * rows_per_seq == rows`` and
             ``max_blocks * block_size >= stride``: maps position ``p`` of row ``r`` to
             ``block_table[r // rows_per_seq, p // block_size] * block_size + p % block_size``
-            in the same launch.
+            in the same launch. An entry outside ``[0, num_blocks)`` (or a slot id past 2^31 - 1)
+            gives index ``-1`` for the positions of that block (their scores are kept).
         block_size: tokens per block (required, >= 1, with ``block_table``).
         rows_per_seq: logit rows per ``block_table`` row (decode: ``next_n``).
         return_scores: also return the selected scores.
+        sorted: True (default): sorted by score descending, ties by lower index. False: the same
+            set of (index, score) pairs, bit for bit, in an unspecified order (skips the sort).
+        num_blocks: physical blocks of the paged cache (``block_table`` entries must be in
+            ``[0, num_blocks)``); None: only negative entries are invalid. Needs ``block_table``.
 
     Returns:
         ``indices`` int32 ``[rows, k]`` (and ``scores`` float32 ``[rows, k]``): the selectable
@@ -139,19 +154,31 @@ def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: Optiona
     if block_table is None and block_size != 0:
         raise ValueError("topk: argument 'block_size' is only meaningful with block_table (got "
                          f"block_size={block_size} and block_table=None)")
-    if not isinstance(return_scores, bool):
-        raise ValueError(f"topk: argument 'return_scores' must be a bool, got {type(return_scores).__name__}")
+    for name, v in (("return_scores", return_scores), ("sorted", sorted)):
+        if not isinstance(v, bool):
+            raise ValueError(f"topk: argument '{name}' must be a bool, got {type(v).__name__}")
+    if num_blocks is not None:
+        _check_int("num_blocks", num_blocks, 0)
+        if block_table is None:
+            raise ValueError("topk: argument 'num_blocks' is only meaningful with block_table")
     SPEC.validate({"logits": logits, "lengths": lengths, "starts": starts, "block_table": block_table},
                   symbols={"block_size": block_size, "rows_per_seq": rows_per_seq})
     if logits.shape[0] == 0:
         idx = torch.empty((0, k), dtype=torch.int32, device=logits.device)
         sc = torch.empty((0, k), dtype=torch.float32, device=logits.device)
         return (idx, sc) if return_scores else idx
-    idx, sc = torch.ops.dsv4.topk(logits, lengths, k, starts, block_table, block_size, rows_per_seq)
+    idx, sc = torch.ops.dsv4.topk(logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted,
+                                  -1 if num_blocks is None else min(num_blocks, 2 ** 31 - 1))
     return (idx, sc) if return_scores else idx
 
 
 __all__ = ["topk"]
+
+
+def _by_index(idx: torch.Tensor, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(idx, sc)`` rows reordered by index (a canonical order of a ``sorted=False`` result)."""
+    o = torch.sort(idx, dim=1, stable=True).indices
+    return idx.gather(1, o), sc.gather(1, o)
 
 
 def graph_cases(device) -> list:
@@ -174,6 +201,8 @@ def graph_cases(device) -> list:
     return [
         GraphCase("topk-decode-k512", "topk", lambda: bytes_of(*topk(logits, lengths, 512, return_scores=True)),
                   refresh),
+        GraphCase("topk-decode-k512-unsorted", "topk", lambda: bytes_of(*_by_index(*topk(
+            logits, lengths, 512, return_scores=True, sorted=False))), refresh),   # order unspecified: compare sets
         GraphCase("topk-prefill-mapped-k1024", "topk",
                   lambda: topk(logits, lengths, 1024, starts=starts, block_table=bt, block_size=64, rows_per_seq=2),
                   refresh),

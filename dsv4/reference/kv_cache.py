@@ -152,8 +152,9 @@ def kv_cache_append_ref(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: tor
     _write_rows(cache, KV_DIM, slots // bs, slots % bs, kv[ok])
 
 
-def _resolve(cache, block_table, idx, req):
-    """logical index [T, n] -> (valid mask, page, off); invalid -> page 0."""
+def _resolve(cache, block_table, idx, req, lens):
+    """logical index [T, n] -> (valid mask, page, off); invalid -> page 0. Valid: ``0 <= l <
+    lens[req]``, ``req`` a block_table row, ``l // bs`` a block_table column, page in ``[0, nb)``."""
     _, bs = cache_format(cache)
     nb = cache.shape[0]
     rows, cols = block_table.shape
@@ -161,35 +162,53 @@ def _resolve(cache, block_table, idx, req):
     r = req.long().view(-1, 1).expand_as(l)
     pi = torch.div(l, bs, rounding_mode="floor")
     valid = (l >= 0) & (pi < cols) & (r >= 0) & (r < rows)
-    page = block_table[r.clamp(0, rows - 1), pi.clamp(0, cols - 1)].long()
+    if block_table.numel() == 0:                    # no pages at all: every row is zero
+        z = torch.zeros_like(l)
+        return valid & False, z, z
+    rc = r.clamp(0, rows - 1)
+    valid &= l < lens.long()[rc]
+    page = block_table[rc, pi.clamp(0, cols - 1)].long()
     valid &= (page >= 0) & (page < nb)
     return valid, torch.where(valid, page, 0), torch.where(valid, l % bs, 0)
 
 
-def _gather_part(cache, block_table, idx, req):
-    valid, page, off = _resolve(cache, block_table, idx, req)
+def _gather_part(cache, block_table, idx, req, lens):
+    valid, page, off = _resolve(cache, block_table, idx, req, lens)
     fmt, bs = cache_format(cache)
     rows = read_slots(cache, (page * bs + off).reshape(-1)).reshape(*idx.shape, KV_DIM)
     return torch.where(valid.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def kv_gather_ref(cache, block_table, indices, req_idx=None, swa_cache=None, swa_block_table=None,
-                  swa_indices=None) -> torch.Tensor:
-    """bf16 ``[T, W + K, 512]``: SWA rows (``swa_indices``) then compressed rows (``indices``)."""
+def kv_gather_ref(cache, block_table, indices, lens, req_idx=None, swa_cache=None, swa_block_table=None,
+                  swa_indices=None, swa_lens=None) -> torch.Tensor:
+    """bf16 ``[T, W + K, 512]``: SWA rows (``swa_indices``) then compressed rows (``indices``).
+    An index ``l`` of query ``t`` (request ``r = req_idx[t]``) is read only when ``0 <= l <
+    lens[r]`` (``swa_lens[r]`` for the SWA part) and its page is valid; otherwise the row is 0."""
     T = indices.shape[0]
     req = req_idx if req_idx is not None else torch.arange(T, device=indices.device)
     parts = []
     if swa_indices is not None:
-        parts.append(_gather_part(swa_cache, swa_block_table, swa_indices, req))
-    parts.append(_gather_part(cache, block_table, indices, req))
+        parts.append(_gather_part(swa_cache, swa_block_table, swa_indices, req, swa_lens))
+    parts.append(_gather_part(cache, block_table, indices, req, lens))
     return torch.cat(parts, 1)
 
 
 # ------------------------------------------------------------------------------ compressor
-def compress_entries(cu_seqlens: torch.Tensor, ratio: int):
-    """(seq [E], b [E]) of every complete block of every sequence, in entry order."""
+def compress_lengths(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """int64 ``[B]`` token count of each sequence under the kernels' bad-input rule
+    (kernels_cuda/kv_cache.cu ``kvc_find_entry``): a sequence whose range ``[cu[i], cu[i+1])`` is
+    not inside ``[0, T]`` (decreasing, negative, past ``T``) counts as empty (device-side, no sync)."""
     cu = cu_seqlens.long()
-    cnt = (cu[1:] - cu[:-1]).clamp(min=0) // ratio
+    s0, s1 = cu[:-1], cu[1:]
+    ok = (s0 >= 0) & (s1 >= s0) & (s1 <= T)
+    return torch.where(ok, s1 - s0, torch.zeros_like(s0))
+
+
+def compress_entries(cu_seqlens: torch.Tensor, ratio: int, T: int | None = None):
+    """(seq [E], b [E]) of every complete block of every sequence, in entry order (``T``: the
+    tokens of kv; sequences outside ``[0, T]`` are empty, :func:`compress_lengths`)."""
+    cu = cu_seqlens.long()
+    cnt = (compress_lengths(cu, T) if T is not None else (cu[1:] - cu[:-1]).clamp(min=0)) // ratio
     seq = torch.repeat_interleave(torch.arange(cnt.numel(), device=cu.device), cnt)
     first = torch.repeat_interleave(cnt.cumsum(0) - cnt, cnt)
     b = torch.arange(seq.numel(), device=cu.device) - first
@@ -199,7 +218,7 @@ def compress_entries(cu_seqlens: torch.Tensor, ratio: int):
 def compress_pool_ref(kv, score, ape, cu_seqlens, ratio, dtype=torch.float32):
     """Softmax-gated pooling of every complete block (model.py L322-341), ``[E, d]`` in ``dtype``."""
     d = ape.shape[1] // (2 if ratio == 4 else 1)
-    seq, b = compress_entries(cu_seqlens, ratio)
+    seq, b = compress_entries(cu_seqlens, ratio, kv.shape[0])
     tok0 = cu_seqlens.long()[seq] + b * ratio                           # [E]
     ar = torch.arange(ratio, device=kv.device)
     idx = tok0.unsqueeze(1) + ar                                        # [E, r]
@@ -262,7 +281,7 @@ def _prefill_state_ref(kv, score, ape, cu_seqlens, ratio, kv_state, score_state)
     B = cu_seqlens.numel() - 1
     nr = kv_state.shape[1]
     cu = cu_seqlens.long()
-    L = cu[1:] - cu[:-1]
+    L = compress_lengths(cu, kv.shape[0])       # sequences outside [0, T]: empty, state (0, -inf)
     cutoff = L - L % ratio
     rem = L % ratio
     row = torch.arange(nr, device=kv.device)
@@ -325,10 +344,12 @@ class TorchKvCacheAppend(TorchProvider):
 
 
 class TorchKvGather(TorchProvider):
-    describe = "torch reference: block_table lookup + dequant, -1 -> zeros"
+    describe = "torch reference: block_table lookup + dequant, -1 / past lens -> zeros"
 
-    def run(self, problem, *, cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices):
-        return kv_gather_ref(cache, block_table, indices, req_idx, swa_cache, swa_block_table, swa_indices)
+    def run(self, problem, *, cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table, swa_indices,
+            swa_lens):
+        return kv_gather_ref(cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table, swa_indices,
+                             swa_lens)
 
 
 class TorchKvCompressPrefill(TorchProvider):

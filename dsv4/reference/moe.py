@@ -7,6 +7,9 @@
   independent of ``moe_prepare_weights`` and of the grouped layouts, so it checks both.
 * :func:`gemm1_swiglu_ref` / :func:`gemm2_ref`: the grouped ops on the prepared layout
   (oracle providers: they loop over experts on the host and synchronize; never for production).
+  They undo the prepared W13 row order with their own code (:func:`prepared_w13_rows`, written
+  from the documented layout), not with ``dsv4.ops.moe``'s permutation they check. Bad grouping
+  metadata follows the kernels' rule (:func:`expert_rows`).
 * :func:`route_ref`, :func:`permute_ref`, :func:`combine_ref`: the layer glue (device-side torch,
   no host sync, CUDA-graph capturable); the torch providers of ``moe_route`` / ``moe_permute`` /
   ``moe_combine`` (registered through dsv4/reference/moe_glue.py).
@@ -225,24 +228,49 @@ def moe_layer_ref(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     return out
 
 
+def prepared_w13_rows(I: int) -> list[int]:
+    """Checkpoint W13 row of each prepared W13 row, written out from the documented layout
+    (docs/layouts/moe_prepare_weights.md): prepared tile t (256 rows, I columns [128t, 128t + 128))
+    holds gate rows 128t..128t+63, up rows 128t..128t+63, gate rows 128t+64..128t+127, up rows
+    128t+64..128t+127, where checkpoint row ``i`` is gate column ``i`` and row ``I + i`` up column
+    ``i`` (plain concat). Independent of ``dsv4.ops.moe.w13_tile_permutation`` (the oracle must not
+    share the code it checks)."""
+    rows: list[int] = []
+    for t in range(I // 128):
+        for half in (0, 64):
+            first = 128 * t + half
+            rows.extend(range(first, first + 64))            # gate columns
+            rows.extend(range(I + first, I + first + 64))    # up columns
+    return rows
+
+
 def _unpermute_w13(w13p: torch.Tensor, I: int) -> torch.Tensor:
-    """Inverse of the prepare tile reordering on dim 1 (any trailing dims)."""
-    from ..ops.moe import w13_tile_permutation
-    perm = w13_tile_permutation(I, w13p.device)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return w13p.index_select(1, inv)
+    """Prepared W13 rows (dim 1, any trailing dims) back in checkpoint order [gate; up]."""
+    out = torch.empty_like(w13p)
+    out[:, torch.tensor(prepared_w13_rows(I), device=w13p.device)] = w13p
+    return out
+
+
+def expert_rows(row_start: torch.Tensor, row_count: torch.Tensor, R: int) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each expert under the bad-input rule every grouped-GEMM provider
+    follows (kernels_dsl/sm90/scheduler.py, kernels_cuda/moe_decode.cu ``md_rows``): rows
+    ``[s, s + min(c, R - s))`` when ``0 <= s < R`` and ``c > 0`` (``s = row_start[e]``,
+    ``c = row_count[e]``), else none. Host lists (syncs)."""
+    out = []
+    for s, c in zip(row_start.tolist(), row_count.tolist()):
+        out.append((s, min(c, R - s)) if (0 <= s < R and c > 0) else (0, 0))
+    return out
 
 
 def gemm1_swiglu_ref(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w, fmt):
-    """Oracle of ``moe_gemm1_swiglu`` on the prepared layout (host loop over experts, syncs)."""
+    """Oracle of ``moe_gemm1_swiglu`` on the prepared layout (host loop over experts, syncs).
+    Rows outside every expert's (clamped, :func:`expert_rows`) range are 0."""
     R = a.shape[0]
     I = w13.shape[1] // 2
     fp8 = a.dtype == torch.float8_e4m3fn
     ad = dequantize_fp8_block(a, a_s, 128) if fp8 else a.float()
     h = torch.zeros(R, I, dtype=torch.bfloat16, device=a.device)
-    starts, counts = row_start.tolist(), row_count.tolist()
-    for e, (s0, c) in enumerate(zip(starts, counts)):
+    for e, (s0, c) in enumerate(expert_rows(row_start, row_count, R)):
         if c == 0:
             continue
         w = _unpermute_w13(dequant_fp4_weight(w13[e:e + 1], w13_scale[e:e + 1], fmt), I)[0]
@@ -254,12 +282,13 @@ def gemm1_swiglu_ref(a, a_s, w13, w13_scale, g13, row_start, row_count, route_w,
 
 
 def gemm2_ref(h, h_s, w2, w2_scale, g2, row_start, row_count, fmt):
-    """Oracle of ``moe_gemm2`` (host loop over experts, syncs). Rows outside experts are 0."""
+    """Oracle of ``moe_gemm2`` (host loop over experts, syncs). Rows outside every expert's
+    (clamped, :func:`expert_rows`) range are 0."""
     R = h.shape[0]
     D = w2.shape[1]
     hd = dequantize_fp8_block(h, h_s, 128) if h.dtype == torch.float8_e4m3fn else h.float()
     y = torch.zeros(R, D, dtype=torch.float32, device=h.device)
-    for e, (s0, c) in enumerate(zip(row_start.tolist(), row_count.tolist())):
+    for e, (s0, c) in enumerate(expert_rows(row_start, row_count, R)):
         if c == 0:
             continue
         y[s0:s0 + c] = hd[s0:s0 + c] @ (dequant_fp4_weight(w2[e], w2_scale[e], fmt) * g2[e]).t()
@@ -291,6 +320,9 @@ class TorchMoECombine(TorchProvider):
 
 
 class TorchMoEPrepare(TorchProvider):
+    """The one provider of ``moe_prepare_weights``: the op body (``dsv4.ops.moe.prepare_impl``, an
+    index_select by ``w13_tile_permutation``). Not an oracle: the oracles above never read that code
+    (:func:`prepared_w13_rows`), and :func:`moe_layer_ref` never sees the prepared layout."""
     describe = "torch: index_select tile reordering + .view(uint8) scale bytes"
     support_reason = "torch, any device"
 

@@ -37,12 +37,16 @@ def composite_keys(logits: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> 
 
 def topk_ref(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Optional[torch.Tensor] = None,
              block_table: Optional[torch.Tensor] = None, block_size: int = 0,
-             rows_per_seq: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+             rows_per_seq: int = 1, sorted: bool = True,
+             num_blocks: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference top-k: ``(indices int32 [rows, k], scores fp32 [rows, k])``.
 
     Semantics as :func:`dsv4.ops.topk.topk`: range ``[clamp(starts, 0, hi), hi)`` with
     ``hi = clamp(lengths, 0, n)``; NaN / -inf never selected; sorted by score descending, ties
-    by lower index; padding ``-1`` / ``-inf``; optional block_table mapping (-1 stays -1).
+    by lower index; padding ``-1`` / ``-inf``; optional block_table mapping (-1 stays -1; an entry
+    outside ``[0, num_blocks)`` -- only negative ones without ``num_blocks`` -- or a slot id past
+    2^31 - 1 gives -1, the score is kept). ``sorted=False`` allows any order: the reference returns
+    the sorted order, which is one of them.
     """
     rows, n = logits.shape
     dev = logits.device
@@ -63,16 +67,21 @@ def topk_ref(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Option
     if block_table is not None:
         seq = torch.arange(rows, device=dev) // rows_per_seq
         b = idx.clamp(min=0) // block_size
-        phys = block_table.to(torch.int64)[seq[:, None], b] * block_size + idx.clamp(min=0) % block_size
-        idx = torch.where(idx >= 0, phys, torch.full_like(idx, -1))
+        e = block_table.to(torch.int64)[seq[:, None], b]
+        phys = e * block_size + idx.clamp(min=0) % block_size
+        ok = (idx >= 0) & (e >= 0) & (phys <= 2 ** 31 - 1)
+        if num_blocks is not None:
+            ok &= e < num_blocks
+        idx = torch.where(ok, phys, torch.full_like(idx, -1))
     return idx.to(torch.int32), scores.to(torch.float32)
 
 
 class TorchTopk(TorchProvider):
     describe = "torch reference (int64 composite key sort, exact ties)"
 
-    def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq):
-        return topk_ref(logits, lengths, k, starts, block_table, block_size, rows_per_seq)
+    def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=True,
+            num_blocks=None):
+        return topk_ref(logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted, num_blocks)
 
 
 PROVIDERS = {"topk": TorchTopk}

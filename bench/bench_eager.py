@@ -1,0 +1,250 @@
+"""Eager host overhead of every public op at decode sizes: CPU-timer microseconds per call.
+
+What users pay when they call an op outside a CUDA graph: argument checks, spec validation,
+registry selection, the ``torch.library`` boundary and the provider's launch glue. Issue 17
+target: <= 20 us of host time per call for every op.
+
+Method: the inputs are each op module's graph cases (``graph_cases(device)`` in
+``dsv4/ops/<module>.py``: decode-sized static tensors; ``dequant_fp4``'s are built here). One run
+of a case records every top-level public op call it makes (arguments included); each recorded
+call is then replayed on its own: warm-up (compiles, caches), then per call ``synchronize`` (not
+timed), ``perf_counter``, the call, ``perf_counter``; the median is reported (``host_us``). On CUDA
+the call returns once its kernels are queued, so that is host time, launch glue included. On CPU
+the torch reference does its math inside the call, so the table also times each call with null
+providers (selection as usual, then the output recorded from a real run is returned instead of
+running): ``lib_us`` is the library's own time (argument checks, spec validation, registry
+selection, the op boundary). The target applies to ``host_us`` on CUDA and to ``lib_us`` on CPU.
+
+    PYTHONPATH=. python bench/bench_eager.py [--json out.json] [--ops topk,kv_gather] [--budget 0.2]
+        [--lib-only] [--deadline S] [--first topk,quantize]       (or: dsv4 bench eager ...)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+try:
+    from bench._util import print_table, save_json
+except ImportError:  # run as a script from bench/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench._util import print_table, save_json
+
+TARGET_US = 20.0
+#: runs without a GPU too (``dsv4 bench eager`` on CPU measures the library's own share)
+CPU_OK = True
+
+
+@dataclass
+class Call:
+    label: str          # graph case it came from
+    name: str           # public function
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    ops: list = field(default_factory=list)   # registered ops it dispatched (with the provider)
+
+
+def _dequant_fp4_cases(dev):
+    m = sys.modules["dsv4.ops.dequant_fp4"]            # looked up per call (record() patches it)
+    from dsv4.ops._common import GraphCase
+    M, K = 8, 7168
+    data = torch.randint(0, 256, (M, K // 2), dtype=torch.uint8).to(dev)
+    out = []
+    for fmt, sf, sdt in (("mxfp4", 32, torch.float8_e8m0fnu), ("nvfp4", 16, torch.float8_e4m3fn)):
+        scale = torch.randint(100, 120, (M, K // sf), dtype=torch.uint8).to(dev).view(sdt)
+        g = torch.ones(1, device=dev) if fmt == "nvfp4" else None
+        out.append(GraphCase(f"dequant_fp4-{fmt}", "dequant_fp4",
+                             lambda scale=scale, g=g, fmt=fmt: m.dequant_fp4(data, scale, fmt=fmt, global_scale=g),
+                             lambda: None))
+    return out
+
+
+def collect_cases(dev) -> list:
+    import dsv4.ops as ops_pkg
+    cases = list(_dequant_fp4_cases(dev))
+    for m in sorted(pkgutil.iter_modules(ops_pkg.__path__), key=lambda m: m.name):
+        if m.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"dsv4.ops.{m.name}")
+        if hasattr(mod, "graph_cases"):
+            cases += mod.graph_cases(dev)
+    return cases
+
+
+def _public_functions() -> dict[int, tuple[str, Callable]]:
+    import dsv4.ops as ops_pkg
+    out = {}
+    for name in ops_pkg.__all__:
+        f = getattr(ops_pkg, name)
+        if callable(f) and not isinstance(f, type):
+            out[id(f)] = (name, f)
+    return out
+
+
+def record(case) -> list[Call]:
+    """The top-level public op calls that ``case.run()`` makes (each module's globals patched)."""
+    import dsv4.ops as ops_pkg
+    from dsv4 import registry
+    pub = _public_functions()
+    calls: list[Call] = []
+    depth = [0]
+    mods = [sys.modules[n] for n in list(sys.modules) if n.startswith("dsv4.ops")]
+    patched = []
+
+    def wrap(name, f):
+        def w(*a, **k):
+            if depth[0] == 0:
+                calls.append(Call(case.label, name, f, a, k))
+            depth[0] += 1
+            try:
+                return f(*a, **k)
+            finally:
+                depth[0] -= 1
+        return w
+
+    wrappers = {i: wrap(n, f) for i, (n, f) in pub.items()}
+    for m in mods + [ops_pkg]:
+        for k, v in list(vars(m).items()):
+            if id(v) in wrappers and v is pub[id(v)][1]:
+                patched.append((m, k, v))
+                setattr(m, k, wrappers[id(v)])
+    orig_dispatch = registry.Op.dispatch
+
+    def dispatch(self, problem, target, **args):
+        if calls:
+            p, ch = self.select(problem, target)
+            calls[-1].ops.append(f"{self.name}:{ch.kind}")
+        return orig_dispatch(self, problem, target, **args)
+    registry.Op.dispatch = dispatch
+    try:
+        case.run()
+    finally:
+        registry.Op.dispatch = orig_dispatch
+        for m, k, v in patched:
+            setattr(m, k, v)
+    return calls
+
+
+class _NullProviders:
+    """Inside the block every dispatch selects its provider as usual, then returns the output
+    that provider gave for the same call (recorded on entry) instead of running: what is left of
+    the call's time is the library's own (checks, validation, selection, op boundary)."""
+
+    def __init__(self, c: Call):
+        from dsv4 import registry
+        self.registry, self.c, self.outs = registry, c, []
+        self._orig = registry.Op.dispatch
+
+    def __enter__(self):
+        outs, orig = self.outs, self._orig
+
+        def capture(op, problem, target, **args):
+            r = orig(op, problem, target, **args)
+            outs.append(r)
+            return r
+        self.registry.Op.dispatch = capture
+        self.c.fn(*self.c.args, **self.c.kwargs)
+        it = [0]
+
+        def replay(op, problem, target, **args):
+            op.select(problem, target)
+            os.environ.get("DSV4_PRINT_LAYOUTS")
+            r = outs[it[0] % len(outs)]
+            it[0] += 1
+            return r
+        self.registry.Op.dispatch = replay if outs else orig
+        return self
+
+    def __exit__(self, *exc):
+        self.registry.Op.dispatch = self._orig
+
+
+def time_call(c: Call, cuda: bool, budget_s: float, max_iters: int = 400, lib_only: bool = False) -> dict:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        c.fn(*c.args, **c.kwargs)
+    sync()
+    host = []
+    t_end = time.perf_counter() + budget_s
+    while not lib_only and len(host) < max_iters and (len(host) < 10 or time.perf_counter() < t_end):
+        sync()
+        t0 = time.perf_counter()
+        c.fn(*c.args, **c.kwargs)
+        host.append(time.perf_counter() - t0)
+    sync()
+    lib = []
+    with _NullProviders(c):
+        for _ in range(50):                                      # warm the null path
+            c.fn(*c.args, **c.kwargs)
+        for _ in range(200):
+            t0 = time.perf_counter()
+            c.fn(*c.args, **c.kwargs)
+            lib.append(time.perf_counter() - t0)
+    host = host or [float("nan")]
+    med = statistics.median(host) * 1e6
+    row = {"case": c.label, "op": c.name, "providers": ",".join(dict.fromkeys(c.ops)) or "-",
+           "host_us": med, "p10_us": sorted(host)[len(host) // 10] * 1e6, "iters": len(lib)}
+    row["lib_us"] = statistics.median(lib) * 1e6
+    row["target_met"] = (row["host_us"] if cuda else row["lib_us"]) <= TARGET_US
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--ops", default="", help="comma list of public op names (default: all)")
+    ap.add_argument("--budget", type=float, default=0.2, help="seconds of timing per call")
+    ap.add_argument("--json", default="", help="write the rows here")
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="seconds: start no new case after this (0 = none; first compiles can be slow)")
+    ap.add_argument("--lib-only", action="store_true",
+                    help="time only the library's share (null providers): fast on CPU, where the references compute")
+    ap.add_argument("--first", default="", help="comma list of op-module names whose cases run first")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    want = {s for s in a.ops.split(",") if s}
+    rows, seen = [], set()
+    t_start = time.perf_counter()
+    first = [m for m in a.first.split(",") if m]
+    cases = sorted(collect_cases(dev), key=lambda c: next((i for i, m in enumerate(first) if c.op.startswith(m)),
+                                                          len(first)))
+    for case in cases:
+        if a.deadline and time.perf_counter() - t_start > a.deadline:
+            rows.append({"case": case.label, "op": case.op, "providers": "not run (deadline)"})
+            continue
+        try:
+            case.run()                                   # warm-up: compiles, caches
+            calls = record(case)
+        except Exception as e:  # noqa: BLE001 - a case that cannot run here is reported, not fatal
+            rows.append({"case": case.label, "op": case.op, "providers": f"error: {type(e).__name__}: {e}"[:120]})
+            continue
+        for c in calls:
+            if (want and c.name not in want) or (c.name, c.label) in seen:
+                continue
+            seen.add((c.name, c.label))
+            rows.append(time_call(c, cuda, a.budget, lib_only=a.lib_only))
+            r = rows[-1]
+            print(f"  {r['op']:<22} {r['case']:<38} host {r['host_us']:8.1f} us  lib {r['lib_us']:6.1f} us  "
+                  f"{r['providers']}", file=sys.stderr, flush=True)
+    cols = ["op", "case", "providers", "host_us", "p10_us", "lib_us", "target_met"]
+    print_table(rows, cols, title=f"eager host time per call on {dev} (median, CPU timer; target <= {TARGET_US:g} us "
+                                  f"{'host' if cuda else 'lib'} time)")
+    timed = [r for r in rows if "host_us" in r]
+    met = sum(bool(r.get("target_met")) for r in timed)
+    print(f"{met}/{len(timed)} calls within {TARGET_US:g} us")
+    save_json(a.json, {"bench": "eager", "device": str(dev), "target_us": TARGET_US, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,401 @@
+"""Inline-PTX building blocks of the quantization kernels (kernels_dsl/quantize_*.py).
+
+The quantizers must be bit-exact with :mod:`dsv4.formats`, so every rounding step is written as
+the PTX instruction it has to be (``mul.rn.f32``, ``add.rn.f32``, ``rcp.rn.f32``, ``div.rn.f32``,
+``fma.rn.f32``, ``cvt.rn.satfinite.e4m3x2.f32``; never ``.ftz``, never a contracted multiply-add
+that the reference does not do). Float -> int conversion never happens: roundings are done by
+magic-number fp32 adds and exponent-field integer arithmetic (see ``kernels_dsl/sm90/fp4.py``
+:func:`e2m1_mag_t`).
+
+Memory: global addresses are 64-bit generic addresses passed to the kernels as ``Int64``
+scalars (the ops validate every tensor before the launch); 16-byte loads go through the
+read-only path without L1 allocation and with an L2 eviction-priority policy
+(``createpolicy``); stores are ``st.global.v4`` / narrower. Shared memory is addressed by the
+32-bit shared-window address. Memory ops and ``shfl.sync`` carry ``has_side_effects`` (never
+merged, hoisted or sunk into a branch); pure arithmetic does not.
+"""
+from __future__ import annotations
+
+try:
+    from cutlass import Float32, Int32, Int64, Uint32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+    _HAVE_DSL = True
+except Exception:  # noqa: BLE001
+    _HAVE_DSL = False
+
+#: fp32 constants as bit patterns (the references' fp32 literals, dsv4.formats)
+F32_INV6 = 0x3E2AAAAB       # fp32(1/6)
+F32_INV448 = 0x3B124925     # fp32(1/448)
+F32_1EM4 = 0x38D1B717       # fp32(1e-4), FP8 amax floor
+F32_MX_FLOOR = 0x01C00000   # 6 * 2^-126, MXFP4 dsv4 amax floor
+F32_FLT_MAX = 0x7F7FFFFF
+F32_QNAN = 0x7FFFFFFF
+ABS_INF = {"bfloat16": 0x7F80, "float16": 0x7C00}   # |half bits| >= this: Inf or NaN
+
+if _HAVE_DSL:
+
+    def _v(x, ty, loc, ip):
+        return ty(x).ir_value(loc=loc, ip=ip)
+
+    def _asm(ret, ptx, cons, args, side=False, loc=None, ip=None):
+        return llvm.inline_asm(ret, args, ptx, cons, has_side_effects=side, is_align_stack=False,
+                               asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+    def _u32(ptx, cons, args, side=False, loc=None, ip=None):
+        return Uint32(_asm(T.i32(), ptx, cons, args, side, loc, ip))
+
+    def _f32(ptx, cons, args, loc=None, ip=None):
+        return Float32(_asm(T.f32(), ptx, cons, args, False, loc, ip))
+
+    def _struct(n, ptx, cons, args, side, loc, ip):
+        r = _asm(llvm.StructType.get_literal([T.i32()] * n), ptx, cons, args, side, loc, ip)
+        return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(n))
+
+    # ---------------------------------------------------------------- global memory
+    @dsl_user_op
+    def l2_evict_first(*, loc=None, ip=None):
+        """An L2 ``evict_first`` cache policy (``createpolicy.fractional``), as a 64-bit handle."""
+        return Int64(_asm(T.i64(), "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l", [], False, loc, ip))
+
+    @dsl_user_op
+    def l2_evict_last(*, loc=None, ip=None):
+        """An L2 ``evict_last`` cache policy (keep the line for a second pass)."""
+        return Int64(_asm(T.i64(), "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l", [], False, loc, ip))
+
+    @dsl_user_op
+    def ld_nc_v4(addr, pol, *, loc=None, ip=None):
+        """16-byte read-only load ``ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32`` -> 4 Uint32."""
+        return _struct(4, "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], $5;",
+                       "=r,=r,=r,=r,l,l", [_v(addr, Int64, loc, ip), _v(pol, Int64, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_v2(addr, *, loc=None, ip=None):
+        """8-byte read-only load (``ld.global.nc.L1::no_allocate.v2.u32``) -> 2 Uint32."""
+        return _struct(2, "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];", "=r,=r,l",
+                       [_v(addr, Int64, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_b32(addr, *, loc=None, ip=None):
+        """4-byte read-only load -> Uint32."""
+        return _u32("ld.global.nc.b32 $0, [$1];", "=r,l", [_v(addr, Int64, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_u8(addr, *, loc=None, ip=None):
+        """1-byte read-only load -> Uint32 (zero-extended)."""
+        return _u32("{\n.reg .b16 t;\nld.global.nc.u8 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,l",
+                    [_v(addr, Int64, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def st_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None):
+        """16-byte global store ``st.global.v4.b32``."""
+        _asm(None, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+             [_v(addr, Int64, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], True, loc, ip)
+
+    @dsl_user_op
+    def st_b32(addr, w, *, loc=None, ip=None):
+        _asm(None, "st.global.b32 [$0], $1;", "l,r", [_v(addr, Int64, loc, ip), _v(w, Uint32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def st_u8(addr, w, *, loc=None, ip=None):
+        """Store the low byte of ``w``."""
+        _asm(None, "{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.global.u8 [$0], t;\n}", "l,r",
+             [_v(addr, Int64, loc, ip), _v(w, Uint32, loc, ip)], True, loc, ip)
+
+    # ---------------------------------------------------------------- shared memory
+    @dsl_user_op
+    def sts_b32(addr, w, *, loc=None, ip=None):
+        _asm(None, "st.shared.b32 [$0], $1;", "r,r", [_v(addr, Int32, loc, ip), _v(w, Uint32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def sts_v2(addr, w0, w1, *, loc=None, ip=None):
+        _asm(None, "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r",
+             [_v(addr, Int32, loc, ip), _v(w0, Uint32, loc, ip), _v(w1, Uint32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def sts_u8(addr, w, *, loc=None, ip=None):
+        _asm(None, "{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.shared.u8 [$0], t;\n}", "r,r",
+             [_v(addr, Int32, loc, ip), _v(w, Uint32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def lds_v4(addr, *, loc=None, ip=None):
+        return _struct(4, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", [_v(addr, Int32, loc, ip)],
+                       True, loc, ip)
+
+    @dsl_user_op
+    def lds_b32(addr, *, loc=None, ip=None):
+        return _u32("ld.shared.b32 $0, [$1];", "=r,r", [_v(addr, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def lds_u8(addr, *, loc=None, ip=None):
+        return _u32("{\n.reg .b16 t;\nld.shared.u8 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,r",
+                    [_v(addr, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def bar_sync(*, loc=None, ip=None):
+        """``bar.sync 0`` (whole CTA)."""
+        _asm(None, "bar.sync 0;", "", [], True, loc, ip)
+
+    @dsl_user_op
+    def warp_sync(*, loc=None, ip=None):
+        _asm(None, "bar.warp.sync 0xffffffff;", "", [], True, loc, ip)
+
+    # ---------------------------------------------------------------- warp reductions
+    @dsl_user_op
+    def shfl_bfly_max(v, lanemask: int, *, loc=None, ip=None):
+        """``max(v, shfl.sync.bfly(v, lanemask))`` (unsigned)."""
+        return _u32("{\n.reg .b32 t;\nshfl.sync.bfly.b32 t, $1, " + str(int(lanemask)) + ", 0x1f, 0xffffffff;\n"
+                    "max.u32 $0, $1, t;\n}", "=r,r", [_v(v, Uint32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def redux_max(v, *, loc=None, ip=None):
+        """Warp-wide unsigned max (``redux.sync.max.u32``, sm_80+)."""
+        return _u32("redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", [_v(v, Uint32, loc, ip)], True, loc, ip)
+
+    # ---------------------------------------------------------------- integer helpers
+    @dsl_user_op
+    def max_u16x2(a, b, *, loc=None, ip=None):
+        return _u32("max.u16x2 $0, $1, $2;", "=r,r,r", [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def umax(a, b, *, loc=None, ip=None):
+        return _u32("max.u32 $0, $1, $2;", "=r,r,r", [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def prmt(a, b, sel, *, loc=None, ip=None):
+        return _u32("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                    [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip), _v(sel, Uint32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def clz(a, *, loc=None, ip=None):
+        return _u32("clz.b32 $0, $1;", "=r,r", [_v(a, Uint32, loc, ip)], loc=loc, ip=ip)
+
+    def chunk_absmax(w):
+        """max |half| of the 8 halves of a 16-byte chunk, as |bits| (Uint32 in [0, 0x7FFF]).
+        |bits| order = |value| order for bf16 / fp16; NaN > Inf > every finite value."""
+        m = Uint32(0x7FFF7FFF)
+        a = max_u16x2(max_u16x2(w[0] & m, w[1] & m), max_u16x2(w[2] & m, w[3] & m))
+        return umax(a & Uint32(0xFFFF), a >> 16)
+
+    # ---------------------------------------------------------------- float helpers (exact PTX)
+    @dsl_user_op
+    def bits_f32(u, *, loc=None, ip=None):
+        return Float32(llvm.bitcast(T.f32(), _v(u, Uint32, loc, ip), loc=loc, ip=ip))
+
+    @dsl_user_op
+    def f32_bits(x, *, loc=None, ip=None):
+        return Uint32(llvm.bitcast(T.i32(), _v(x, Float32, loc, ip), loc=loc, ip=ip))
+
+    @dsl_user_op
+    def fmul(a, b, *, loc=None, ip=None):
+        return _f32("mul.rn.f32 $0, $1, $2;", "=f,f,f", [_v(a, Float32, loc, ip), _v(b, Float32, loc, ip)], loc, ip)
+
+    @dsl_user_op
+    def fmin(a, b, *, loc=None, ip=None):
+        return _f32("min.f32 $0, $1, $2;", "=f,f,f", [_v(a, Float32, loc, ip), _v(b, Float32, loc, ip)], loc, ip)
+
+    @dsl_user_op
+    def fmax(a, b, *, loc=None, ip=None):
+        return _f32("max.f32 $0, $1, $2;", "=f,f,f", [_v(a, Float32, loc, ip), _v(b, Float32, loc, ip)], loc, ip)
+
+    @dsl_user_op
+    def frcp(a, *, loc=None, ip=None):
+        """``rcp.rn.f32`` (correctly rounded 1/a, subnormals kept)."""
+        return _f32("rcp.rn.f32 $0, $1;", "=f,f", [_v(a, Float32, loc, ip)], loc, ip)
+
+    @dsl_user_op
+    def fdiv(a, b, *, loc=None, ip=None):
+        """``div.rn.f32`` (correctly rounded a/b)."""
+        return _f32("div.rn.f32 $0, $1, $2;", "=f,f,f", [_v(a, Float32, loc, ip), _v(b, Float32, loc, ip)], loc, ip)
+
+    @dsl_user_op
+    def half_to_f32(h, fp16: bool, *, loc=None, ip=None):
+        """One input half (bits in the low 16 bits of ``h``) -> fp32 (exact)."""
+        if not fp16:
+            return bits_f32(Uint32(h) << 16, loc=loc, ip=ip)
+        return _f32("{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\ncvt.f32.f16 $0, t;\n}", "=f,r", [_v(h, Uint32, loc, ip)],
+                    loc, ip)
+
+    def word_to_f32x2(w, fp16: bool):
+        """A 32-bit word of two halves -> (element 2j = low half, element 2j+1 = high half) in fp32."""
+        w = Uint32(w)
+        if not fp16:
+            return bits_f32(w << 16), bits_f32(w & Uint32(0xFFFF0000))
+        return half_to_f32(w & Uint32(0xFFFF), True), half_to_f32(w >> 16, True)
+
+    @dsl_user_op
+    def e4m3x2(lo, hi, *, loc=None, ip=None):
+        """Two fp32 -> two E4M3 bytes (RNE, satfinite; NaN -> 0x7F) in the low 16 bits, byte 0 = ``lo``."""
+        return _u32("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, $2, $1;\ncvt.u32.u16 $0, t;\n}", "=r,f,f",
+                    [_v(lo, Float32, loc, ip), _v(hi, Float32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def e4m3_to_f32(b, *, loc=None, ip=None):
+        """E4M3 byte (low 8 bits of ``b``) -> fp32, exact (via f16)."""
+        return _f32("{\n.reg .b16 t, lo, hi;\n.reg .b32 p;\ncvt.u16.u32 t, $1;\ncvt.rn.f16x2.e4m3x2 p, t;\n"
+                    "mov.b32 {lo, hi}, p;\ncvt.f32.f16 $0, lo;\n}", "=f,r", [_v(b, Uint32, loc, ip)], loc, ip)
+
+    @dsl_user_op
+    def e4m3x2_to_f32x2(u, *, loc=None, ip=None):
+        """The two E4M3 bytes in the low 16 bits of ``u`` -> two fp32 (exact, via f16x2)."""
+        r = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
+                 "{\n.reg .b16 t, lo, hi;\n.reg .b32 p;\ncvt.u16.u32 t, $2;\ncvt.rn.f16x2.e4m3x2 p, t;\n"
+                 "mov.b32 {lo, hi}, p;\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n}", "=f,=f,r",
+                 [_v(u, Uint32, loc, ip)], False, loc, ip)
+        return (Float32(llvm.extractvalue(T.f32(), r, [0], loc=loc, ip=ip)),
+                Float32(llvm.extractvalue(T.f32(), r, [1], loc=loc, ip=ip)))
+
+    @dsl_user_op
+    def div_rn_by(x, s, r, *, loc=None, ip=None):
+        """Correctly rounded ``x / s`` for ``s > 0`` given ``r = RN(1/s)`` (Markstein: ``q0 = x r``,
+        exact residual ``e = fma(-q0, s, x)``, ``RN(q0 + e r)``); the sign is taken from ``x`` (so
+        -0 stays -0). Finite ``x`` only (Inf gives NaN: the caller patches non-finite elements)."""
+        return _f32("{\n.reg .f32 q0, e, q;\n.reg .b32 qb, xb;\nmul.rn.f32 q0, $1, $3;\nneg.f32 e, q0;\n"
+                    "fma.rn.f32 e, e, $2, $1;\nfma.rn.f32 q, e, $3, q0;\nmov.b32 qb, q;\nmov.b32 xb, $1;\n"
+                    "and.b32 qb, qb, 0x7FFFFFFF;\nand.b32 xb, xb, 0x80000000;\nor.b32 qb, qb, xb;\nmov.b32 $0, qb;\n}",
+                    "=f,f,f,f", [_v(x, Float32, loc, ip), _v(s, Float32, loc, ip), _v(r, Float32, loc, ip)], loc, ip)
+
+    @dsl_user_op
+    def f32_to_bf16x2(lo, hi, *, loc=None, ip=None):
+        """``cvt.rn.bf16x2.f32``: {lo in bits 0..15, hi in bits 16..31}."""
+        return _u32("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [_v(lo, Float32, loc, ip), _v(hi, Float32, loc, ip)],
+                    loc=loc, ip=ip)
+
+    @dsl_user_op
+    def f32_to_f16x2(lo, hi, *, loc=None, ip=None):
+        """``cvt.rn.f16x2.f32``: {lo in bits 0..15, hi in bits 16..31}."""
+        return _u32("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [_v(lo, Float32, loc, ip), _v(hi, Float32, loc, ip)],
+                    loc=loc, ip=ip)
+
+    # ---------------------------------------------------------------- scale helpers
+    def ue8m0_ceil_byte(t):
+        """UE8M0 byte of the smallest power of two >= t (normal fp32 t > 0): exponent field +
+        (mantissa != 0), DSV4 ``fast_round_scale``."""
+        b = f32_bits(t)
+        return (b >> 23) + (((b & Uint32(0x7FFFFF)) + Uint32(0x7FFFFF)) >> 23)
+
+    def floor_log2(a):
+        """exact floor(log2(a)) for finite fp32 a > 0, subnormals included (Int32)."""
+        b = f32_bits(a)
+        e_norm = Int32(b >> 23) - 127
+        e_sub = Int32(31) - Int32(clz(b)) - 149
+        return cutlass_select(b >= Uint32(0x00800000), e_norm, e_sub)
+
+    def exp2_int(k):
+        """exact fp32 2^k for integer k in [-127, 127] (2^-127 is the subnormal 0x00400000)."""
+        k = Int32(k)
+        bits = Uint32(k + 127) << 23
+        return bits_f32(cutlass_select(k <= Int32(-127), Uint32(0x00400000), bits))
+
+    def cutlass_select(c, a, b):
+        import cutlass
+        return cutlass.select_(c, a, b)
+
+    @dsl_user_op
+    def ld_nc_v4_if(addr, pol, pred, *, loc=None, ip=None):
+        """:func:`ld_nc_v4` predicated on ``pred != 0`` (zeros otherwise; no branch)."""
+        return _struct(4, "{\n.reg .pred p;\nsetp.ne.b32 p, $6, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+                          "mov.b32 $3, 0;\n@p ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, "
+                          "[$4], $5;\n}",
+                       "=r,=r,=r,=r,l,l,r", [_v(addr, Int64, loc, ip), _v(pol, Int64, loc, ip), _v(pred, Int32, loc, ip)],
+                       True, loc, ip)
+
+    @dsl_user_op
+    def st_f32(addr, x, *, loc=None, ip=None):
+        _asm(None, "st.global.f32 [$0], $1;", "l,f", [_v(addr, Int64, loc, ip), _v(x, Float32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_f32(addr, *, loc=None, ip=None):
+        return _f32("ld.global.nc.f32 $0, [$1];", "=f,l", [_v(addr, Int64, loc, ip)], loc, ip)
+
+    @dsl_user_op
+    def sts_b32_if(addr, w, pred, *, loc=None, ip=None):
+        """``st.shared.b32`` predicated on ``pred != 0``."""
+        _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.shared.b32 [$0], $1;\n}", "r,r,r",
+             [_v(addr, Int32, loc, ip), _v(w, Uint32, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def st_v4_if(addr, w0, w1, w2, w3, pred, *, loc=None, ip=None):
+        """:func:`st_v4` predicated on ``pred != 0``."""
+        _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}",
+             "l,r,r,r,r,r", [_v(addr, Int64, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)]
+             + [_v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_v2_if(addr, pred, *, loc=None, ip=None):
+        """8-byte read-only load predicated on ``pred != 0`` (zeros otherwise)."""
+        return _struct(2, "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
+                          "@p ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];\n}", "=r,=r,l,r",
+                       [_v(addr, Int64, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_b32_if(addr, pred, *, loc=None, ip=None):
+        """4-byte read-only load predicated on ``pred != 0`` (0 otherwise)."""
+        return _u32("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.b32 $0, [$1];\n}",
+                    "=r,l,r", [_v(addr, Int64, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_u8_if(addr, pred, *, loc=None, ip=None):
+        """1-byte read-only load predicated on ``pred != 0`` (0 otherwise)."""
+        return _u32("{\n.reg .pred p;\n.reg .b16 t;\nsetp.ne.b32 p, $2, 0;\nmov.b16 t, 0;\n@p ld.global.nc.u8 t, [$1];\n"
+                    "cvt.u32.u16 $0, t;\n}", "=r,l,r", [_v(addr, Int64, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def sts_f32(addr, x, *, loc=None, ip=None):
+        _asm(None, "st.shared.f32 [$0], $1;", "r,f", [_v(addr, Int32, loc, ip), _v(x, Float32, loc, ip)], True, loc, ip)
+
+    def finite_chunk_absmax(w, abs_inf: int):
+        """max |half| over the FINITE halves of a chunk (NaN / Inf count as 0), as |bits|.
+        Straight-line: per word, halves >= abs_inf are masked off (no carry crosses a half:
+        ``h + (0x8000 - abs_inf) <= 0xFFFF``)."""
+        add = Uint32(((0x8000 - abs_inf) << 16) | (0x8000 - abs_inf))
+        acc = Uint32(0)
+        for k in range(4):
+            m = Uint32(w[k]) & Uint32(0x7FFF7FFF)
+            flag = (m + add) & Uint32(0x80008000)
+            kill = flag | (flag - (flag >> 15))
+            acc = max_u16x2(acc, m & (kill ^ Uint32(0xFFFFFFFF)))
+        return umax(acc & Uint32(0xFFFF), acc >> 16)
+
+    @dsl_user_op
+    def ld_relaxed_b32(addr, *, loc=None, ip=None):
+        """``ld.relaxed.gpu.global.b32``: a value written by another CTA during this launch."""
+        return _u32("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [_v(addr, Int64, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def grid_arrive_wait(partial_addr, value, ws, last, pred, *, loc=None, ip=None):
+        """Grid-wide barrier of one thread per CTA (``pred != 0``), self-resetting, no host state:
+        store ``value`` at ``partial_addr``; read the generation ``ws[1]``; ``atom.add.acq_rel`` the
+        arrival counter ``ws[0]``; the arrival that sees ``last`` (= gridDim - 1) resets the counter
+        and bumps the generation (release); every other one spins (``ld.acquire.gpu``) until the
+        generation moves. Needs every CTA of the grid co-resident, and launches that use the same
+        ``ws`` serialized (one stream)."""
+        _asm(None,
+             "{\n.reg .pred p, q;\n.reg .b32 g0, old, g;\n.reg .b64 gen;\nsetp.ne.b32 q, $4, 0;\n@!q bra QDONE;\n"
+             "st.global.b32 [$0], $1;\nadd.s64 gen, $2, 4;\nld.acquire.gpu.global.b32 g0, [gen];\n"
+             "atom.add.acq_rel.gpu.global.u32 old, [$2], 1;\nsetp.eq.u32 p, old, $3;\n@!p bra QWAIT;\n"
+             "st.relaxed.gpu.global.b32 [$2], 0;\nred.release.gpu.global.add.u32 [gen], 1;\nbra QDONE;\n"
+             "QWAIT:\nld.acquire.gpu.global.b32 g, [gen];\nsetp.eq.u32 p, g, g0;\n@p bra QWAIT;\nQDONE:\n}",
+             "l,r,l,r,r", [_v(partial_addr, Int64, loc, ip), _v(value, Uint32, loc, ip), _v(ws, Int64, loc, ip),
+                           _v(last, Uint32, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_v4_if_nohint(addr, pred, *, loc=None, ip=None):
+        """:func:`ld_nc_v4_if` without the L2 cache-policy operand (plain ``ld.global.nc.L1::no_allocate.v4``)."""
+        return _struct(4, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+                          "mov.b32 $3, 0;\n@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
+                       "=r,=r,=r,=r,l,r", [_v(addr, Int64, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_v4_if_any(addr, pol, pred, hint: bool = True, *, loc=None, ip=None):
+        """:func:`ld_nc_v4_if` WITHOUT zeroing: for ``pred == 0`` the result is undefined. For
+        loads whose out-of-range lanes feed only values that are never stored (whole scale blocks
+        are either in or out of range): saves the four register moves per load."""
+        if hint:
+            return _struct(4, "{\n.reg .pred p;\nsetp.ne.b32 p, $6, 0;\n"
+                              "@p ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], $5;\n}",
+                           "=r,=r,=r,=r,l,l,r", [_v(addr, Int64, loc, ip), _v(pol, Int64, loc, ip),
+                                                 _v(pred, Int32, loc, ip)], True, loc, ip)
+        return _struct(4, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, "
+                          "[$4];\n}", "=r,=r,=r,=r,l,r", [_v(addr, Int64, loc, ip), _v(pred, Int32, loc, ip)],
+                       True, loc, ip)

@@ -1,0 +1,410 @@
+"""CuTe DSL FP4 quantizers: bf16/fp16 ``[M, K]`` -> NVFP4 (E2M1 + E4M3 per 16 + FP32 global
+scale) and MXFP4 (E2M1 + UE8M0 per 32), bit-exact with :mod:`dsv4.formats` (nvfp4.py, mxfp4.py,
+swizzle.py); contracts docs/layouts/quantize_nvfp4.md / quantize_mxfp4.md.
+
+Two kernels:
+
+* :class:`Fp4QuantizeKernel` -- the quantizer (one variant per format, specialized at trace
+  time on format, input dtype, scale rule / layout, global-scale source and geometry).
+* :class:`AmaxPartialsKernel` -- first launch of the NVFP4 device-amax path for tensors larger
+  than one CTA handles: per-CTA max ``|x|`` bits (no atomics, no state; the quantizer reduces
+  them in its prologue). Its tail chunks are loaded with L2 ``evict_last`` and the quantizer
+  walks the tiles in reverse, so the part of ``x`` still in L2 is consumed first.
+
+Mapping (both): ``x`` is walked as a flat array of 16-byte chunks (8 elements; a scale block
+never straddles a row since ``K % 16 == 0``). A warp tile is ``32 * QJ`` chunks; load ``j`` of
+lane ``l`` reads chunk ``tile * 32 QJ + 32 j + l`` (every warp load instruction reads 512
+contiguous bytes, ``ld.global.nc.v4`` with an L2 ``evict_first`` policy, predicated off past the
+end). A scale block spans ``CPB`` consecutive lanes (NVFP4 2, MXFP4 4): its ``|x|`` max is a
+packed ``max.u16x2`` on the magnitude bits plus ``shfl.sync.bfly`` maxima. Codes and scales are
+staged per warp in shared memory and written with 16-byte (codes) / 4-byte (scales) stores.
+Grid-stride loop over warp tiles (the host sizes the grid; ``n_ctas`` warps-tiles per step).
+
+Rounding (no float -> int convert anywhere): E2M1 by the magic-add encoder
+``kernels_dsl/sm90/fp4.py:e2m1x8_encode``; E4M3 scale by ``cvt.rn.satfinite.e4m3x2.f32``; UE8M0
+by exponent-field arithmetic; every fp32 step is an explicit ``.rn`` PTX instruction in the
+reference's association order (``kernels_dsl/_quantize_ptx.py``).
+
+Non-finite inputs (OCP MX v1.0, issue 19 item 13): a block whose ``|x|`` max is Inf or NaN gets
+the NaN scale (UE8M0 0xFF / E4M3 0x7F) and zero codes; a non-finite NVFP4 device amax gives
+``g_dec = g_enc = NaN`` and every block the NaN scale.
+
+Constraints: bf16 / fp16 input, contiguous; ``K % 16 == 0`` (NVFP4) / ``K % 32 == 0`` (MXFP4);
+every base pointer 16-byte aligned (torch allocations); ``M * K / 16 < 2^31`` (32-bit scale
+indices of the swizzled layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+try:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64, Uint32
+    from cutlass.memory import SmemAllocator
+
+    from ._quantize_ptx import (ABS_INF, F32_FLT_MAX, F32_INV6, F32_MX_FLOOR, F32_QNAN, bar_sync, bits_f32,
+                                chunk_absmax, e4m3_to_f32, e4m3x2, exp2_int, fdiv, floor_log2, fmax, fmin, fmul,
+                                frcp, grid_arrive_wait, half_to_f32, l2_evict_first, l2_evict_last, ld_nc_b32,
+                                ld_nc_f32, ld_nc_v4_if, ld_nc_v4_if_any, ld_nc_v4_if_nohint, ld_relaxed_b32, lds_b32,
+                                lds_u8, lds_v4, redux_max, shfl_bfly_max, st_b32, st_f32, st_u8, st_v4, sts_b32,
+                                sts_b32_if, sts_u8, ue8m0_ceil_byte, umax, warp_sync, word_to_f32x2)
+    from .sm90.fp4 import e2m1x8_encode
+    _HAVE_DSL = True
+except Exception:  # noqa: BLE001
+    _HAVE_DSL = False
+
+__all__ = ["Fp4Config", "Fp4QuantizeKernel", "AmaxPartialsKernel", "GS_PARTIALS", "GS_GIVEN", "GS_FUSED", "GS_GRID"]
+
+#: NVFP4 global-scale sources
+GS_PARTIALS, GS_GIVEN, GS_FUSED, GS_GRID = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Fp4Config:
+    """Static specialization of :class:`Fp4QuantizeKernel` (the compile key)."""
+
+    fmt: str                 # "nvfp4" | "mxfp4"
+    in_dtype: str = "bfloat16"   # "bfloat16" | "float16"
+    rule: str = "dsv4"       # MXFP4 scale rule: "dsv4" (ceil) | "ocp" (floor)
+    swizzled: bool = False   # NVFP4 scale layout: 128x4 swizzled (else linear [M, K/16])
+    gs: int = GS_GIVEN       # NVFP4 global scale: GS_PARTIALS | GS_GIVEN | GS_FUSED (one CTA) | GS_GRID
+    qj: int = 8              # 16-byte loads per lane per warp tile
+    warps: int = 8           # warps per CTA
+    min_blocks: int = 0      # launch bound: CTAs per SM the registers must allow (0: compiler's choice)
+    l2_hint: bool = True     # 16-byte loads with an L2 evict_first policy (else plain ld.global.nc)
+
+    @property
+    def cpb(self) -> int:    # chunks (lanes) per scale block
+        return 2 if self.fmt == "nvfp4" else 4
+
+    @property
+    def tile(self) -> int:   # chunks per warp tile
+        return 32 * self.qj
+
+
+if _HAVE_DSL:
+
+    def _bounds(cfg) -> dict:
+        # (a preferred carveout must accompany min_blocks > 1, else the DSL asks the driver for one)
+        return {"min_blocks_per_mp": cfg.min_blocks, "preferred_smem_carveout": 50} if cfg.min_blocks else {}
+
+    def _trips(first, stop, stride):
+        """Trip count of ``range(first, stop, stride)`` for a runtime ``stride > 0`` (the DSL's
+        ``cutlass.range`` cannot take a runtime step)."""
+        return cutlass.max(stop - first + (stride - 1), stop - stop) // stride
+
+    def _load_tile(x, cb, lane, pol, n_chunks, qj: int, hint: bool = True, zero: bool = True):
+        """The ``qj`` 16-byte chunks ``cb + 32 j + lane`` of a warp tile; past ``n_chunks`` zeros
+        (``zero``) or undefined (values that are never stored); ``hint``: with the L2 policy ``pol``."""
+        out = []
+        for j in range(qj):
+            c = cb + (32 * j) + Int64(lane)
+            if not zero:
+                out.append(ld_nc_v4_if_any(x + c * 16, pol, Int32(c < n_chunks), hint))
+            elif hint:
+                out.append(ld_nc_v4_if(x + c * 16, pol, Int32(c < n_chunks)))
+            else:
+                out.append(ld_nc_v4_if_nohint(x + c * 16, Int32(c < n_chunks)))
+        return out
+
+    def _block_max(v, red_addr, warp, lane, nw: int):
+        """CTA-wide unsigned max (every thread calls; the result is in every thread). Straight-line
+        code (a predicated shared store), so it can be called from kernel bodies."""
+        v = redux_max(v)
+        sts_b32_if(red_addr + warp * 4, v, Int32(lane == 0))
+        bar_sync()
+        r = lds_b32(red_addr)
+        for i in range(1, nw):
+            r = umax(r, lds_b32(red_addr + i * 4))
+        bar_sync()
+        return r
+
+    class AmaxPartialsKernel:
+        """Per-CTA ``max |x|`` as magnitude bits (Uint32; NaN > Inf > finite) over a grid-stride walk
+        of the warp tiles of :class:`Fp4QuantizeKernel` (same tile geometry).
+
+        ``__call__(x, partials, n_chunks, keep_from, n_ctas, stream)``: ``x`` / ``partials`` are
+        64-bit addresses (``Int64``); ``partials`` holds ``n_ctas`` Uint32; chunks ``>= keep_from``
+        are loaded with L2 ``evict_last`` (kept for the quantizer)."""
+
+        def __init__(self, qj: int = 8, warps: int = 8):
+            self.qj, self.warps = qj, warps
+
+        @cute.jit
+        def __call__(self, x: Int64, partials: Int64, n_chunks: Int64, keep_from: Int64, n_ctas: Int32,
+                     stream: cuda.CUstream):
+            self.kernel(x, partials, n_chunks, keep_from).launch(
+                grid=[n_ctas, 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, x: Int64, partials: Int64, n_chunks: Int64, keep_from: Int64):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            lane = tidx % 32
+            warp = tidx // 32
+            red = SmemAllocator().allocate_tensor(Uint32, cute.make_layout(self.warps), byte_alignment=16)
+            red_addr = red.iterator.toint()
+            tile = 32 * self.qj
+            n_tiles = (n_chunks + (tile - 1)) // tile
+            p_first = l2_evict_first()
+            p_last = l2_evict_last()
+            acc = Uint32(0)
+            t0 = Int64(bidx) * self.warps + Int64(warp)
+            stride = Int64(gdim) * self.warps
+            for it in cutlass.range(_trips(t0, n_tiles, stride), unroll=1):
+                cb = (t0 + it * stride) * tile
+                ws = []
+                for j in cutlass.range_constexpr(self.qj):
+                    c = cb + (32 * j) + Int64(lane)
+                    pol = cutlass.select_(c >= keep_from, p_last, p_first)
+                    ws.append(ld_nc_v4_if(x + c * 16, pol, Int32(c < n_chunks)))
+                for j in cutlass.range_constexpr(self.qj):
+                    acc = umax(acc, chunk_absmax(ws[j]))
+            m = _block_max(acc, red_addr, warp, lane, self.warps)
+            if tidx == 0:
+                st_b32(partials + Int64(bidx) * 4, m)
+
+    class Fp4QuantizeKernel:
+        """NVFP4 / MXFP4 quantizer (module docstring: mapping, rounding, NaN rule).
+
+        ``__call__(x, data, scale, gs_out, gs_src, n_src, n_chunks, M, Ksf, Kt, Mpad, reverse,
+        n_ctas, stream)`` -- all pointers are ``Int64`` addresses:
+
+        * ``x``: ``[M, K]`` bf16 / fp16; ``data``: uint8 ``[M, K/2]`` (element 2i in the low nibble);
+        * ``scale``: NVFP4 E4M3 bytes, linear ``[M, K/16]`` or 128x4 swizzled
+          ``[cdiv(M,128), Kt, 32, 4, 4]`` (``Ksf = K/16``, ``Kt = cdiv(Ksf, 4)``, ``Mpad = 128 cdiv(M,128)``;
+          padding written as 0); MXFP4 UE8M0 bytes ``[M, K/32]``;
+        * ``gs_out`` (NVFP4): fp32 ``[2]`` = (g_dec, g_enc); ``gs_src``: GS_GIVEN fp32 ``[1]``
+          decode scale, GS_PARTIALS ``n_src`` Uint32 amax partials, GS_FUSED unused (this single
+          CTA reads ``x`` twice: amax, then quantize);
+        * ``n_chunks = M K / 8``; ``reverse``: walk the tiles last-first; ``n_ctas``: grid size.
+        """
+
+        def __init__(self, cfg: Fp4Config):
+            self.cfg = cfg
+            self.fp16 = cfg.in_dtype == "float16"
+            self.abs_inf = ABS_INF[cfg.in_dtype]
+            self.nv = cfg.fmt == "nvfp4"
+            self.tile = cfg.tile
+            self.cpb = cfg.cpb
+            self.blk_per_tile = self.tile // self.cpb
+            self.warp_bytes = self.tile * 4 + 256   # staged code words + staged scale bytes
+
+        @cute.jit
+        def __call__(self, x: Int64, data: Int64, scale: Int64, gs_out: Int64, gs_src: Int64, n_src: Int32,
+                     n_chunks: Int64, M: Int32, Ksf: Int32, Kt: Int32, Mpad: Int32, reverse: Int32, wsp: Int64,
+                     n_ctas: Int32, stream: cuda.CUstream):
+            self.kernel(x, data, scale, gs_out, gs_src, n_src, n_chunks, M, Ksf, Kt, Mpad, reverse, wsp).launch(
+                grid=[n_ctas, 1, 1], block=[32 * self.cfg.warps, 1, 1], stream=stream,
+                **_bounds(self.cfg))
+
+        @cute.kernel
+        def kernel(self, x: Int64, data: Int64, scale: Int64, gs_out: Int64, gs_src: Int64, n_src: Int32,
+                   n_chunks: Int64, M: Int32, Ksf: Int32, Kt: Int32, Mpad: Int32, reverse: Int32, wsp: Int64):
+            cfg = self.cfg
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            lane = tidx % 32
+            warp = tidx // 32
+            alloc = SmemAllocator()
+            stage = alloc.allocate_tensor(Uint32, cute.make_layout(cfg.warps * self.warp_bytes // 4), byte_alignment=16)
+            red = alloc.allocate_tensor(Uint32, cute.make_layout(cfg.warps), byte_alignment=16)
+            red_addr = red.iterator.toint()
+            sd = stage.iterator.toint() + warp * self.warp_bytes     # this warp's staged code words
+            ss = sd + self.tile * 4                                  # this warp's staged scale bytes
+            pol = l2_evict_first()
+
+            g_dec = Float32(1.0)
+            mult = Float32(1.0)
+            gnan = Uint32(0)
+            if cutlass.const_expr(self.nv):
+                # ---- global scale (dsv4.formats.nvfp4: g_enc = min(2688 / amax, FLT_MAX), 1 if amax == 0,
+                #      NaN if amax is not finite; g_dec = 1 / g_enc)
+                g_enc = Float32(1.0)
+                if cutlass.const_expr(cfg.gs == GS_GIVEN):
+                    g_dec = ld_nc_f32(gs_src)
+                    g_enc = frcp(g_dec)
+                else:
+                    mb = Uint32(0)
+                    if cutlass.const_expr(cfg.gs == GS_PARTIALS):
+                        for ip_ in cutlass.range(tidx, n_src, 32 * cfg.warps, unroll=1):
+                            mb = umax(mb, ld_nc_b32(gs_src + Int64(ip_) * 4))
+                    elif cutlass.const_expr(cfg.gs == GS_GRID):
+                        # one tile per warp, kept in registers across a grid-wide barrier (all CTAs
+                        # co-resident: the host launches at most one CTA per SM): CTA amax -> gs_src[bidx],
+                        # arrive on the counter at wsp[0] / wait for the generation wsp[1] to move, then
+                        # reduce the n_src = gridDim partials (written during this launch: ld.relaxed.gpu)
+                        cbg = (Int64(bidx) * cfg.warps + Int64(warp)) * self.tile
+                        ws_pre = _load_tile(x, cbg, lane, pol, n_chunks, cfg.qj)
+                        for j in cutlass.range_constexpr(cfg.qj):
+                            mb = umax(mb, chunk_absmax(ws_pre[j]))
+                        mb = _block_max(mb, red_addr, warp, lane, cfg.warps)
+                        grid_arrive_wait(gs_src + Int64(bidx) * 4, mb, wsp, Uint32(n_src - 1), Int32(tidx == 0))
+                        bar_sync()
+                        mb = Uint32(0)
+                        for ig in cutlass.range(tidx, n_src, 32 * cfg.warps, unroll=1):
+                            mb = umax(mb, ld_relaxed_b32(gs_src + Int64(ig) * 4))
+                    else:   # GS_FUSED: this (single) CTA reads the whole tensor once for the amax
+                        pol_keep = l2_evict_last()
+                        n_tiles0 = (n_chunks + (self.tile - 1)) // self.tile
+                        for t in cutlass.range(Int64(warp), n_tiles0, cfg.warps, unroll=1):
+                            cb = t * self.tile
+                            ws = []
+                            for j in cutlass.range_constexpr(cfg.qj):
+                                c = cb + (32 * j) + Int64(lane)
+                                ws.append(ld_nc_v4_if(x + c * 16, pol_keep, Int32(c < n_chunks)))
+                            for j in cutlass.range_constexpr(cfg.qj):
+                                mb = umax(mb, chunk_absmax(ws[j]))
+                    mb = _block_max(mb, red_addr, warp, lane, cfg.warps)
+                    amax = half_to_f32(mb, self.fp16)
+                    g_enc = fmin(fdiv(Float32(2688.0), amax), bits_f32(Uint32(F32_FLT_MAX)))
+                    g_enc = cutlass.select_(mb == Uint32(0), Float32(1.0), g_enc)
+                    g_enc = cutlass.select_(mb >= Uint32(self.abs_inf), bits_f32(Uint32(F32_QNAN)), g_enc)
+                    g_dec = frcp(g_enc)
+                mult = fmul(g_enc, bits_f32(Uint32(F32_INV6)))
+                gnan = Uint32(g_enc != g_enc)
+                if bidx == 0:
+                    if tidx == 0:
+                        st_f32(gs_out, g_dec)
+                        st_f32(gs_out + 4, g_enc)
+
+            n_tiles = (n_chunks + (self.tile - 1)) // self.tile
+            n_blocks = n_chunks // self.cpb
+            t0 = Int64(bidx) * cfg.warps + Int64(warp)
+            stride = Int64(gdim) * cfg.warps
+            for it in cutlass.range(_trips(t0, n_tiles, stride), unroll=1):
+                t = t0 + it * stride
+                cb = cutlass.select_(reverse != 0, n_tiles - 1 - t, t) * self.tile
+                # (GS_GRID: the tile was loaded before the barrier; the grid covers every tile once)
+                ws = ws_pre if cutlass.const_expr(cfg.gs == GS_GRID) else _load_tile(x, cb, lane, pol, n_chunks, cfg.qj,
+                                                                                   cfg.l2_hint, zero=False)
+                for j in cutlass.range_constexpr(cfg.qj):
+                    w = ws[j]
+                    hb = chunk_absmax(w)
+                    for o in cutlass.range_constexpr(self.cpb.bit_length() - 1):
+                        hb = shfl_bfly_max(hb, 1 << o)
+                    bad = (Uint32(hb >= Uint32(self.abs_inf)) | gnan) != Uint32(0)
+                    vmax = half_to_f32(hb, self.fp16)
+                    f = []
+                    for k in cutlass.range_constexpr(4):
+                        a, b = word_to_f32x2(w[k], self.fp16)
+                        f += [a, b]
+                    if cutlass.const_expr(self.nv):
+                        # TE reference order: s = e4m3(min(vmax * (g_enc/6), 448)); enc = min(1/(s g_dec), FLT_MAX)
+                        sf = fmin(fmul(vmax, mult), Float32(448.0))
+                        sbyte = e4m3x2(sf, Float32(0.0)) & Uint32(0xFF)
+                        s = e4m3_to_f32(sbyte)
+                        enc = fmin(frcp(fmul(s, g_dec)), bits_f32(Uint32(F32_FLT_MAX)))
+                        code = e2m1x8_encode(f, enc, w)
+                        code = cutlass.select_(s == Float32(0.0), code & Uint32(0x88888888), code)
+                        nan_byte = 0x7F
+                    else:
+                        if cutlass.const_expr(cfg.rule == "dsv4"):
+                            tt = fmul(fmax(vmax, bits_f32(Uint32(F32_MX_FLOOR))), bits_f32(Uint32(F32_INV6)))
+                            sbyte = ue8m0_ceil_byte(tt)                           # 1..253 for finite blocks
+                            inv = bits_f32((Uint32(254) - sbyte) << 23)           # 2^(127 - sbyte), exact
+                        else:
+                            e = cutlass.select_(hb == Uint32(0), Int32(-127), floor_log2(vmax) - 2)
+                            e = cutlass.max(cutlass.min(e, Int32(127)), Int32(-127))
+                            sbyte = Uint32(e + 127)
+                            inv = exp2_int(-e)
+                        code = e2m1x8_encode(f, inv, w)
+                        nan_byte = 0xFF
+                    code = cutlass.select_(bad, Uint32(0), code)
+                    sbyte = cutlass.select_(bad, Uint32(nan_byte), sbyte)
+                    ci = 32 * j + lane
+                    sts_b32(sd + ci * 4, code)
+                    if lane % self.cpb == 0:
+                        sts_u8(ss + ci // self.cpb, sbyte)
+                warp_sync()
+                full = cb + self.tile <= n_chunks
+                # ---- codes: staged words -> 16-byte stores (512 contiguous bytes per warp instruction)
+                dbase = data + cb * 4
+                if full:
+                    for iv in cutlass.range_constexpr(self.tile // 128):
+                        qv = lds_v4(sd + (32 * iv + lane) * 16)
+                        st_v4(dbase + Int64(32 * iv + lane) * 16, qv[0], qv[1], qv[2], qv[3])
+                else:
+                    for iw in cutlass.range_constexpr(self.tile // 32):
+                        if Int64(32 * iw + lane) < n_chunks - cb:
+                            st_b32(dbase + Int64(32 * iw + lane) * 4, lds_b32(sd + (32 * iw + lane) * 4))
+                # ---- scales
+                bb = cb // self.cpb
+                nbv = n_blocks - bb
+                if cutlass.const_expr(self.nv and cfg.swizzled):
+                    if 4 * lane < self.blk_per_tile:
+                        g0 = Int32(bb) + 4 * lane
+                        if Ksf % 4 == 0:            # a group of 4 never straddles rows: one 4-byte store
+                            if Int64(4 * lane) < nbv:
+                                st_b32(scale + self._swz(g0 // Ksf, g0 - (g0 // Ksf) * Ksf, Kt), lds_b32(ss + 4 * lane))
+                        else:
+                            for bq in cutlass.range_constexpr(4):
+                                if Int64(4 * lane + bq) < nbv:
+                                    st_u8(scale + self._swz((g0 + bq) // Ksf, (g0 + bq) - ((g0 + bq) // Ksf) * Ksf, Kt),
+                                          lds_u8(ss + 4 * lane + bq))
+                else:
+                    if full:
+                        if 4 * lane < self.blk_per_tile:
+                            st_b32(scale + bb + Int64(4 * lane), lds_b32(ss + 4 * lane))
+                    else:
+                        for isb in cutlass.range_constexpr((self.blk_per_tile + 31) // 32):
+                            if 32 * isb + lane < self.blk_per_tile:
+                                if Int64(32 * isb + lane) < nbv:
+                                    st_u8(scale + bb + Int64(32 * isb + lane), lds_u8(ss + 32 * isb + lane))
+                warp_sync()
+
+            if cutlass.const_expr(self.nv and cfg.swizzled):
+                # zero padding of the 128x4 layout: rows M..Mpad-1 (whole 4-byte groups) and columns Ksf..4Kt-1
+                gt = Int32(bidx) * (32 * cfg.warps) + tidx
+                GT = Int32(gdim) * (32 * cfg.warps)
+                p1 = (Mpad - M) * Kt
+                for k1 in cutlass.range(_trips(gt, p1, GT), unroll=1):
+                    i1 = gt + k1 * GT
+                    st_b32(scale + self._swz(M + i1 // Kt, 4 * (i1 - (i1 // Kt) * Kt), Kt), Uint32(0))
+                padc = 4 * Kt - Ksf
+                p2 = M * padc
+                for k2 in cutlass.range(_trips(gt, p2, GT), unroll=1):
+                    i2 = gt + k2 * GT
+                    st_u8(scale + self._swz(i2 // padc, Ksf + (i2 - (i2 // padc) * padc), Kt), Uint32(0))
+
+        @staticmethod
+        def _swz(m, k, Kt):
+            """Byte offset (Int64) of linear scale (m, k) in the 128x4 layout (dsv4.formats.swizzled_sf_offset)."""
+            m = Int64(m)
+            k = Int64(k)
+            return ((m >> 7) * Int64(Kt) + (k >> 2)) * 512 + (m & 31) * 16 + ((m >> 5) & 3) * 4 + (k & 3)
+
+
+# ------------------------------------------------------------------------------ CPU compile checks
+#: What every compiled variant's PTX must contain (tests/test_compile_dsl.py): 16-byte read-only loads
+#: with an L2 policy, 16-byte or 4-byte stores, packed |x| max.
+PTX_PATTERNS = (r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32", r"st\.global\.(v4\.)?b32",
+                r"max\.u16x2")
+#: What none may contain: flush-to-zero (subnormal scales / values), float -> int conversions (the
+#: roundings are magic adds), local memory.
+PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
+
+#: the specializations the CPU compile check builds (every feature once)
+CHECK_VARIANTS = {
+    "nvfp4-bf16-swz-partials": dict(fmt="nvfp4", swizzled=True, gs=GS_PARTIALS),
+    "nvfp4-fp16-lin-given": dict(fmt="nvfp4", in_dtype="float16", gs=GS_GIVEN),
+    "nvfp4-bf16-lin-fused": dict(fmt="nvfp4", gs=GS_FUSED, warps=16),
+    "nvfp4-bf16-swz-grid": dict(fmt="nvfp4", swizzled=True, gs=GS_GRID, warps=4),
+    "mxfp4-bf16-dsv4": dict(fmt="mxfp4"),
+    "mxfp4-fp16-ocp-qj4": dict(fmt="mxfp4", in_dtype="float16", rule="ocp", qj=4),
+}
+
+
+def compile_check(dump_dir=None, arch: str = "sm_90a", only=None) -> dict:
+    """Compile every :data:`CHECK_VARIANTS` entry (plus the amax-partials kernel) for ``arch`` on the
+    CPU; ``{variant: PTX text}``."""
+    from ._compile import compile_variants
+    from .quantize import compile_amax, compile_fp4
+    builds = {n: (lambda arch, extra, kw=kw: compile_fp4(Fp4Config(**kw), arch, extra)) for n, kw in CHECK_VARIANTS.items()}
+    builds["amax-partials"] = lambda arch, extra: compile_amax(8, 8, arch, extra)
+    out = compile_variants("quantize_fp4", builds, dump_dir, arch, only)
+    return out
