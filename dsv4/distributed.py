@@ -96,7 +96,10 @@ def shard_moe_weights(w: MoEWeights, rank: int, world: int) -> MoEWeights:
     with :func:`~dsv4.ops.moe.moe_prepare_weights`; the layout is the same."""
     if not isinstance(w, MoEWeights):
         raise TypeError(f"shard_moe_weights: argument 'w' must be MoEWeights, got {type(w).__name__}")
-    a, b = expert_range(w.E, rank, world)
+    try:
+        a, b = expert_range(w.E, rank, world)
+    except ValueError as e:
+        raise ValueError(f"shard_moe_weights: {e.args[0].removeprefix('expert_range: ')}") from None
     return replace(w, w13=w.w13[a:b], w13_scale=w.w13_scale[a:b], w2=w.w2[a:b], w2_scale=w.w2_scale[a:b],
                    g13=w.g13[a:b], g2=w.g2[a:b], E=b - a)
 
@@ -230,6 +233,9 @@ def moe_experts_ep(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor
         x: ``[T, D]`` this rank's tokens; topk_idx / topk_w: their routing over the GLOBAL experts
             (``world * w_local.E``), as :func:`dsv4.ops.moe.moe_experts` takes them.
         w_local: this rank's experts (:func:`shard_moe_weights`, or prepared from its checkpoint shard).
+            Its ``E`` defines the sharding (``world * w_local.E`` global experts, rank ``r`` owning
+            ``[r * E, (r + 1) * E)``): passing the unsharded weights on every rank is not detected
+            (it would need a collective) and silently sends every assignment to the low ranks.
         group, low_latency: as :func:`ep_dispatch`. act: ``'fp8'`` (W4A8) or ``'bf16'`` (W4A16).
 
     Returns:

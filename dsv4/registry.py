@@ -432,7 +432,7 @@ def get_op(name: str) -> Op:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown op {name!r}; known: {sorted(_REGISTRY)}") from None
+        raise KeyError(f"unknown op {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
 
 
 def all_ops() -> list[Op]:

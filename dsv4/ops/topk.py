@@ -100,8 +100,8 @@ def _check_int(name: str, v, lo: int, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ValueError(f"topk: argument '{name}' must be an int, got {type(v).__name__}")
     if v < lo or (hi is not None and v > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"topk: argument '{name}' must be in {rng}, got {v}")
+        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"topk: argument '{name}' must be {rng}, got {v}")
     return v
 
 
