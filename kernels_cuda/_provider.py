@@ -25,7 +25,7 @@ def cuda_available() -> Support:
 def target_support(target, requirement: str = "built for sm_90a only") -> Support | None:
     """``Support.no`` when the tensors are not on a Hopper (sm_90a) GPU, else ``None``."""
     if not target.is_cuda:
-        return Support.no("cuda: tensors are not on a CUDA device")
+        return Support.no("cuda: the target is not a CUDA device (CPU tensors or no GPU)")
     if target.arch != "sm_90a":
         return Support.no(f"cuda: {requirement}, device is {target.arch}")
     return None

@@ -214,7 +214,7 @@ def launch_on(device, fn, *args) -> None:
 def dsl_target_support(target, requirement: str = "compiled for sm_90a only") -> Support | None:
     """``Support.no`` when the tensors are not on a Hopper (sm_90a) GPU, else ``None``."""
     if not target.is_cuda:
-        return Support.no("dsl: tensors are not on a CUDA device")
+        return Support.no("dsl: the target is not a CUDA device (CPU tensors or no GPU)")
     if target.arch != "sm_90a":
         return Support.no(f"dsl: {requirement}, device is {target.arch}")
     return None

@@ -101,6 +101,6 @@ def test_dsl_provider_base_target_checks():
     h200 = Target("cuda", "sm_90a", "H200", 132, 0)
     assert p.kind == "dsl" and p.supports({"n": 1}, h200).reason == "small"
     assert p.supports({"n": 9}, h200).reason == "dsl: too big"
-    assert "not on a CUDA device" in p.supports({"n": 1}, Target("cpu", None, "cpu", 0)).reason
+    assert "not a CUDA device" in p.supports({"n": 1}, Target("cpu", None, "cpu", 0)).reason
     r = p.supports({"n": 1}, Target("cuda", "sm_100a", "B200", 148, 0))
     assert not r and "sm_90a" in r.reason and "sm_100a" in r.reason
