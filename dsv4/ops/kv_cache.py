@@ -281,7 +281,8 @@ def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Ten
             ``r`` is read only when ``0 <= l < lens[r]``; any other index gives a zero row, so a
             query never reads another request's entries through a stale or padded block_table
             column (isolation; checked on the device, no host sync).
-        req_idx: int32 ``[T]`` request of each query row (default ``t``; then ``R >= T``).
+        req_idx: int32 ``[T]`` request of each query row (default ``t``; then ``R >= T``). A value
+            outside ``[0, R)`` gives that row all-zero output rows (not checked: ``debug_check`` raises).
         swa_cache, swa_block_table, swa_indices, swa_lens: the SWA ring cache (same format as
             ``cache``), its pages, int32 ``[T, W]`` logical ring slots (``pos % 128``; -1 =
             none), and int32 ``[Rs]`` valid ring slots of each request (``min(L_r, 128)``; slot
