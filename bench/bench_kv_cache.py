@@ -183,28 +183,41 @@ def bench_gather(dev, bw, rows):
         torch.cuda.empty_cache()
 
 
-def bench_variants(dev, bw, rows):
-    """Tuning variants of kv_cache.cu: time + bit-equality against the default's output."""
-    import kernels_cuda.kv_cache as kc
+def _run_variant(variant: dict, settings: dict, make_fns, out_fn):
+    """Time ``make_fns()`` (CUDA-graph replay) with ``settings`` in a module's ``VARIANT`` dict, then
+    run the first call once more and return (us, a copy of ``out_fn()``) for the bit-equality check."""
+    variant.clear()
+    variant.update(settings)
+    try:
+        fns = make_fns()
+        t = time_graph(fns)
+        fns[0]()
+        torch.cuda.synchronize()
+        return t, out_fn().clone()
+    finally:
+        variant.clear()
 
-    def run_variant(v, make_fns, out_fn):
-        kc.VARIANT.clear()
-        kc.VARIANT.update(v)
-        try:
-            fns = make_fns()
-            t = time_graph(fns)
-            fns[0]()
-            torch.cuda.synchronize()
-            return t, out_fn().clone()
-        finally:
-            kc.VARIANT.clear()
 
-    # append, prefill 32k
+def _append_variant_case(dev):
+    """The variant sections' append case: 32k rows into a 2048 x 64 cache, 8 random slot sets, every
+    50th slot of the first set -1 (skipped)."""
     N, nb, bs = 32768, 2048, 64
     cache = torch.zeros(nb, bs * 584, dtype=torch.uint8, device=dev)
     xs = [kv_rows(N, i, dev) for i in range(8)]
     sl = [torch.randperm(nb * bs, device=dev)[:N] for _ in range(8)]
     sl[0][::50] = -1
+    return N, cache, xs, sl
+
+
+def bench_variants(dev, bw, rows):
+    """Tuning variants of kv_cache.cu: time + bit-equality against the default's output."""
+    import kernels_cuda.kv_cache as kc
+
+    def run_variant(v, make_fns, out_fn):
+        return _run_variant(kc.VARIANT, v, make_fns, out_fn)
+
+    # append, prefill 32k
+    N, cache, xs, sl = _append_variant_case(dev)
     base = None
     for tpw in (1, 2, 4):
         cache.zero_()
@@ -216,9 +229,9 @@ def bench_variants(dev, bw, rows):
         nbytes = N * (1024 + 584 + 8)
         rows.append(dict(op="append", case=f"prefill 32k TPW={tpw}", us=t, roof_us=nbytes / bw * 1e6,
                          same=bool(torch.equal(o, base))))
-    # gather, decode B=128 and prefill 8 x 8320
+    # gather, decode B=128 and prefill 8 x 8320 (64-token pages)
     for label, R, T, K, ne in (("decode", 128, 128, 512, 2048), ("prefill", 8, 8, 8192, 8192)):
-        cache, swa, bt, swa_bt, idx, swa_idx, lens, swa_lens, k, nbytes = _gather_case(R, T, K, ne, bs, dev)
+        cache, swa, bt, swa_bt, idx, swa_idx, lens, swa_lens, k, nbytes = _gather_case(R, T, K, ne, 64, dev)
         base = None
         for rpw in (1, 2, 4):
             outs = {}
@@ -268,22 +281,10 @@ def bench_dsl_variants(dev, bw, rows, only=("append", "gather")):
     import kernels_dsl.kv_cache as kd
 
     def run_variant(key, cfg, fns, out_fn):
-        kd.VARIANT.clear()
-        kd.VARIANT[key] = cfg
-        try:
-            t = time_graph(fns)
-            fns[0]()
-            torch.cuda.synchronize()
-            return t, out_fn().clone()
-        finally:
-            kd.VARIANT.clear()
+        return _run_variant(kd.VARIANT, {key: cfg}, lambda: fns, out_fn)
 
     if "append" in only:
-        N, nb, bs = 32768, 2048, 64
-        cache = torch.zeros(nb, bs * 584, dtype=torch.uint8, device=dev)
-        xs = [kv_rows(N, i, dev) for i in range(8)]
-        sl = [torch.randperm(nb * bs, device=dev)[:N] for _ in range(8)]
-        sl[0][::50] = -1
+        N, cache, xs, sl = _append_variant_case(dev)
         base = None
         for cfg in (kd.DEFAULT_APPEND, kd.KvAppendConfig(1, 128), kd.KvAppendConfig(1, 256, 256),
                     kd.KvAppendConfig(2)):
