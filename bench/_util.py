@@ -9,7 +9,6 @@ copy bandwidth (bytes read + written) in the same process and use it as the ceil
 """
 from __future__ import annotations
 
-import contextlib
 
 import datetime
 import json
@@ -120,23 +119,3 @@ def save_json(path: str | None, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(json_safe(dict(env=env_info(), **payload)), f, indent=1, default=str, allow_nan=False)
-
-
-@contextlib.contextmanager
-def env_vars(**kv):
-    """Set environment variables for the block (``None`` = unset), restoring them afterwards: the
-    benchmarks switch kernel variants through the ``DSV4_*`` variables of docs/configuration.md."""
-    old = {k: os.environ.get(k) for k in kv}
-    for k, v in kv.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = str(v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -16,7 +16,7 @@ running): ``lib_us`` is the library's own time (argument checks, spec validation
 selection, the op boundary). The target applies to ``host_us`` on CUDA and to ``lib_us`` on CPU.
 
     PYTHONPATH=. python bench/bench_eager.py [--json out.json] [--ops topk,kv_gather] [--budget 0.2]
-        [--lib-only] [--deadline S] [--first topk,quantize]       (or: dsv4 bench eager ...)
+        [--lib-only] [--deadline S] [--first topk,quantize] [--dsl-call tvm-ffi|dsl]   (or: dsv4 bench eager ...)
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ class _NullProviders:
 
         def replay(op, problem, target, **args):
             op.select(problem, target)
-            os.environ.get("DSV4_PRINT_LAYOUTS")
+            self.registry._getenv("DSV4_PRINT_LAYOUTS")          # what dispatch reads per call
             r = outs[it[0] % len(outs)]
             it[0] += 1
             return r
@@ -209,7 +209,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lib-only", action="store_true",
                     help="time only the library's share (null providers): fast on CPU, where the references compute")
     ap.add_argument("--first", default="", help="comma list of op-module names whose cases run first")
+    ap.add_argument("--dsl-call", choices=("default", "tvm-ffi", "dsl"), default="default",
+                    help="DSL kernels' call path: TVM-FFI (torch tensors checked in C) or the DSL's own (from_dlpack)")
     a = ap.parse_args(argv)
+    if a.dsl_call != "default":
+        from kernels_dsl import _compile
+        _compile.set_fast_call(a.dsl_call == "tvm-ffi")
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     want = {s for s in a.ops.split(",") if s}
@@ -219,6 +224,8 @@ def main(argv=None) -> int:
     cases = sorted(collect_cases(dev), key=lambda c: next((i for i, m in enumerate(first) if c.op.startswith(m)),
                                                           len(first)))
     for case in cases:
+        if want and case.op not in want and not any(case.label.startswith(w) for w in want):
+            continue                                     # (its warm-up would compile kernels not asked for)
         if a.deadline and time.perf_counter() - t_start > a.deadline:
             rows.append({"case": case.label, "op": case.op, "providers": "not run (deadline)"})
             continue
@@ -237,12 +244,17 @@ def main(argv=None) -> int:
             print(f"  {r['op']:<22} {r['case']:<38} host {r['host_us']:8.1f} us  lib {r['lib_us']:6.1f} us  "
                   f"{r['providers']}", file=sys.stderr, flush=True)
     cols = ["op", "case", "providers", "host_us", "p10_us", "lib_us", "target_met"]
+    try:
+        from kernels_dsl import _compile
+        call_path = "tvm-ffi" if _compile.fast_call() else "dsl"
+    except Exception:  # noqa: BLE001 - no DSL installed
+        call_path = "-"
     print_table(rows, cols, title=f"eager host time per call on {dev} (median, CPU timer; target <= {TARGET_US:g} us "
-                                  f"{'host' if cuda else 'lib'} time)")
+                                  f"{'host' if cuda else 'lib'} time; DSL call path: {call_path})")
     timed = [r for r in rows if "host_us" in r]
     met = sum(bool(r.get("target_met")) for r in timed)
     print(f"{met}/{len(timed)} calls within {TARGET_US:g} us")
-    save_json(a.json, {"bench": "eager", "device": str(dev), "target_us": TARGET_US, "rows": rows})
+    save_json(a.json, {"bench": "eager", "device": str(dev), "target_us": TARGET_US, "dsl_call": call_path, "rows": rows})
     return 0
 
 

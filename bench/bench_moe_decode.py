@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench._util import copy_bandwidth, env_vars, print_table, save_json, time_graph
+from bench._util import copy_bandwidth, print_table, save_json, time_graph
 from bench.bench_moe import make_weights  # same random weights as the MoE benchmark
 
 SHAPES = {"flash": (4096, 2048, 256, ((8, 1), (64, 4), (256, 16))),
@@ -40,7 +40,7 @@ def masked_group(E, D, act, experts, m, seed):
     else:
         a, a_s = x.to(torch.bfloat16), None
     rw = torch.rand(R, device="cuda", generator=g)
-    # pos: one entry per assignment (the ops size the cuda decode plan from pos.numel(), dsv4/ops/moe.py)
+    # pos: one entry per assignment (the ops size the cuda decode config from pos.numel(), dsv4/ops/moe.py)
     pos = torch.full((len(experts) * m,), -1, dtype=torch.int64, device="cuda")
     return MoEGrouped(a, a_s, row_start, counts, rw, pos)
 
@@ -83,6 +83,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="MXFP4 only, no variants")
     args = ap.parse_args()
     from dsv4.registry import use
+    from kernels_cuda.moe_decode import override
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)", flush=True)
     rows = []
@@ -97,29 +98,26 @@ def main():
                 for n, m in cases:
                     gs = groups_for(E, D, act, n, m)
                     floor = n * (b13 + b2) / (bw * 1e9) * 1e6
-                    MMA, WG = {"DSV4_MOE_DECODE_MMA": "1"}, {"DSV4_MOE_DECODE_MMA": "0"}
-                    variants = [("decode mma.sync", MMA), ("decode wgmma", WG),
-                                ("dsl (kernels_dsl/moe.py)", {"DSL": "1"})]
+                    # DecodeConfig fields changed through moe_decode.override (None: the dsl provider)
+                    MMA, WG = {"mma": 1}, {"mma": 0}
+                    variants = [("decode mma.sync", MMA), ("decode wgmma", WG), ("dsl (kernels_dsl/moe.py)", None)]
                     if not args.quick and fmt == "mxfp4" and m == 1:
-                        variants += [("mma.sync splitk=1", {**MMA, "DSV4_MOE_DECODE_SPLITK": "1"}),
-                                     ("wgmma splitk=1", {**WG, "DSV4_MOE_DECODE_SPLITK": "1"})]
+                        variants += [("mma.sync splitk=1", {**MMA, "splitk": 1}), ("wgmma splitk=1", {**WG, "splitk": 1})]
                     if not args.quick and name == "flash" and fmt == "mxfp4" and m in (1, 4):
-                        variants += [("wgmma bulk (1st run)", {**WG, "DSV4_MOE_DECODE_BULK": "1", "DSV4_MOE_DECODE_L2PF": "0"}),
-                                     ("wgmma l2pf=0", {**WG, "DSV4_MOE_DECODE_L2PF": "0"}),
-                                     ("mma.sync l2pf=0", {**MMA, "DSV4_MOE_DECODE_L2PF": "0"}),
-                                     ("wgmma nwg=1", {**WG, "DSV4_MOE_DECODE_NWG": "1"}),
-                                     ("mma.sync nwg=1", {**MMA, "DSV4_MOE_DECODE_NWG": "1"}),
-                                     ("mma.sync stages=3", {**MMA, "DSV4_MOE_DECODE_STAGES": "3"})]
+                        variants += [("wgmma bulk (1st run)", {**WG, "bulk": 1, "l2pf": 0}),
+                                     ("wgmma l2pf=0", {**WG, "l2pf": 0}), ("mma.sync l2pf=0", {**MMA, "l2pf": 0}),
+                                     ("wgmma nwg=1", {**WG, "nwg": 1}), ("mma.sync nwg=1", {**MMA, "nwg": 1}),
+                                     ("mma.sync stages=3", {**MMA, "stages": 3})]
                     for label, kv in variants:
-                        prov = "dsl" if kv.pop("DSL", None) else "cuda"
-                        with env_vars(**kv), use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
+                        prov = "dsl" if kv is None else "cuda"
+                        with override(**(kv or {})), use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
                             t = timed(stage_fns(gs, W, "both", max_m=m if prov == "dsl" else None), m)
                         rows.append(dict(shape=name, fmt=fmt, act=act, experts=n, m=m, kernel=label, us=t,
                                          floor_us=floor, pct_bw=100 * floor / t))
                         print(rows[-1], flush=True)
                     if not args.quick and fmt == "mxfp4" and m in (1, 4):  # per-stage times of the decode kernel
-                        for lab, kv in (("mma.sync", {"DSV4_MOE_DECODE_MMA": "1"}), ("wgmma", {"DSV4_MOE_DECODE_MMA": "0"})):
-                            with env_vars(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+                        for lab, kv in (("mma.sync", MMA), ("wgmma", WG)):
+                            with override(**kv), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
                                 for which, b in (("gemm1", b13), ("gemm2", b2)):
                                     t = timed(stage_fns(gs, W, which), m)
                                     fl = n * b / (bw * 1e9) * 1e6

@@ -1,11 +1,12 @@
-"""Benchmark the quantization ops on the H200: every GPU provider (CuTe DSL ``kernels_dsl/quantize*.py``,
-CUDA ``kernels_cuda/quantize.cu`` where it still exists) side by side, in one process.
+"""Benchmark the quantization ops on the H200: every GPU provider (the CuTe DSL ``kernels_dsl/quantize*.py``; the
+CUDA ``kernels_cuda/quantize.cu`` was deleted in the seventh session, job mem7-02) in one process.
 
 For each op, shape and provider: kernel time (CUDA-graph replay over rotating inputs larger than L2,
 so neither Python, launch overhead nor L2 flatters it), achieved bandwidth = (bytes read + written,
 minimal traffic) / time against the device copy bandwidth measured in the same run, and for NVFP4 with
 a device amax the ratio to its two-read floor (x read twice + outputs, at copy bandwidth); the eager
 call time of the default provider (what a caller pays without graphs) and the torch reference.
+``--sweep`` times the DSL launch plans of :data:`SWEEP` at 8192^2 (``kernels_dsl.quantize.OVERRIDE``).
 
     PYTHONPATH=. python3 bench/bench_quantize.py --json $OUT/quantize.json [--sweep]
 """
@@ -22,10 +23,29 @@ from dsv4.ops import dequantize_fp8_block, quantize_fp8_block, quantize_mxfp4, q
 
 SHAPES = [(8192, 8192), (2048, 7168), (128, 7168), (16, 7168), (1, 7168)]
 _GS = None
-#: DSL launch geometries timed by --sweep (TUNING / DQ_TUNING overrides of kernels_dsl/quantize.py; dq_* = dequant)
-SWEEP = [{"qj": 4, "dq_units": 4}, {"min_blocks": 3, "ctas_per_sm": 3, "dq_units": 16},
-         {"qj": 4, "min_blocks": 4, "dq_ctas_per_sm": 8}, {"ctas_per_sm": 64, "dq_ctas_per_sm": 64},
-         {"l2_hint": 0, "dq_warps": 4, "dq_ctas_per_sm": 8}, {"qj": 4, "min_blocks": 4, "ctas_per_sm": 64}]
+#: DSL launch geometries timed by --sweep at 8192^2: kernel-config fields of kernels_dsl/quantize.py's plans
+#: (its OVERRIDE hook; every family that has the field takes it, dq_* = the dequantizer)
+SWEEP = [{"qj": 8, "warps": 8, "min_blocks": 3, "ctas_per_sm": 3, "pipe": 0, "dq_units": 4},
+         {"qj": 4, "warps": 8, "min_blocks": 4, "ctas_per_sm": 4, "pipe": 0, "dq_units": 16},
+         {"qj": 8, "warps": 4, "min_blocks": 4, "ctas_per_sm": 2, "pipe": 2, "dq_ctas_per_sm": 8},
+         {"qj": 4, "warps": 8, "min_blocks": 3, "ctas_per_sm": 3, "pipe": 2, "dq_ctas_per_sm": 64},
+         {"lut": 0, "dq_warps": 4, "dq_ctas_per_sm": 8}, {"lut": 1, "dq_units": 2, "dq_ctas_per_sm": 16}]
+
+
+def dsl_override(sw: dict) -> dict:
+    """kernels_dsl.quantize.OVERRIDE for a flat SWEEP entry."""
+    import dataclasses
+
+    from kernels_dsl.quantize_fp4 import Fp4Config
+    from kernels_dsl.quantize_fp8 import Fp8Config, Fp8DqConfig
+    out = {}
+    for fam, cls in (("fp4", Fp4Config), ("fp8", Fp8Config), ("dequant", Fp8DqConfig)):
+        names = {f.name for f in dataclasses.fields(cls)} | {"ctas_per_sm"}
+        src = {k[3:]: v for k, v in sw.items() if k.startswith("dq_")} if fam == "dequant" else sw
+        d = {k: v for k, v in src.items() if k in names}
+        if d:
+            out[fam] = d
+    return out
 
 
 def _x(M, K, seed):
@@ -128,17 +148,12 @@ def main():
             op, kern, _, nbytes, _ = OPS[name]
             src = qs if name.startswith("dequant") else xs
             for sw in [{}] + SWEEP:
-                old, old_dq = dict(KQ.TUNING), dict(KQ.DQ_TUNING)
-                KQ.TUNING.update({k: v for k, v in sw.items() if not k.startswith("dq_")}, tuned=0 if sw else 1)
-                KQ.DQ_TUNING.update({k[3:]: v for k, v in sw.items() if k.startswith("dq_")})
+                KQ.OVERRIDE.update(dsl_override(sw))
                 try:
                     with registry.use({op: "dsl"}):
                         t = time_graph([(lambda a=a: kern(a)) for a in src], iters=len(src), reps=args.reps)
                 finally:
-                    KQ.TUNING.clear()
-                    KQ.TUNING.update(old)
-                    KQ.DQ_TUNING.clear()
-                    KQ.DQ_TUNING.update(old_dq)
+                    KQ.OVERRIDE.clear()
                 gbs = nbytes(M, K) / (t * 1e-6) / 1e9
                 tune_rows.append(dict(op=name, geometry=str(sw or "default"), us_graph=t, pct_copy=100 * gbs / bw))
                 print(f"SWEEP {name:18s} {str(sw or 'default'):60s} {t:9.2f} us {100 * gbs / bw:5.1f}% copy", flush=True)

@@ -50,67 +50,18 @@ VARS: dict[str, Var] = {
         "Force providers: `op=kind[,op=kind]` (`*=torch` applies to every op), e.g. `DSV4_OPS='*=torch'`. "
         "A forced provider that cannot run raises. Parsed by `dsv4/registry.py`."),
     "DSV4_PRINT_LAYOUTS": Var("flag", 0, _FLAG,
-        "1: print every operand's dtype / shape / stride next to its layout spec at each dispatch "
-        "(`dsv4/registry.py`). Debug only."),
+        "Debug only: 1 prints every operand's dtype / shape / stride next to its layout spec at each "
+        "dispatch (`dsv4/registry.py`)."),
     "DSV4_CACHE_DIR": Var("str", "~/.cache/dsv4", None,
-        "Root of the on-disk compile caches: NVRTC cubins (`kernels_cuda/nvrtc.py`) and CuTe DSL `.o` "
+        "Cache: root of the on-disk compile caches: NVRTC cubins (`kernels_cuda/nvrtc.py`) and CuTe DSL `.o` "
         "exports under `dsl/` (`kernels_dsl/_compile.py`). Empty = the default."),
-    "DSV4_COMPILE_ARCH": Var("str", "sm_90a", None,
-        "Arch of ahead-of-time compile checks on machines without a GPU (`dsv4/target.py`, "
-        "`COMPILE_ARCH`), e.g. `sm_90a`. Read once at import; not validated."),
     "DSV4_DSL_OPTIONS": Var("str", "", None,
-        "Extra options appended to every `cute.compile` options string after `--gpu-arch ARCH` "
-        "(`kernels_dsl/_compile.py`). Debug / tuning."),
+        "Debug only: extra options appended to every `cute.compile` options string after `--gpu-arch ARCH` "
+        "(`kernels_dsl/_compile.py`), e.g. `--keep-ptx --dump-dir /tmp/d`."),
     "DSV4_DSL_DISK_CACHE": Var("flag", 1, _FLAG,
-        "0: do not load or store compiled CuTe DSL kernels on disk (`kernels_dsl/_compile.py`); the "
+        "Cache: 0 = do not load or store compiled CuTe DSL kernels on disk (`kernels_dsl/_compile.py`); the "
         "in-memory cache stays on."),
-    # ---------------------------------------------------------------- quantize
-    "DSV4_QUANT_FUSED_MAX_CHUNKS": Var("int", 4096, range(0, 1 << 31),
-        "`quantize_nvfp4` with a computed global scale: tensors of at most this many 16-byte chunks take "
-        "the single-CTA fused path (amax + quantize in one launch), larger ones two launches "
-        "(`kernels_dsl/quantize.py` and `kernels_cuda/quantize.py` `TUNING`, read at import). Tuning; never changes results."),
-    "DSV4_QUANT_L2_KEEP_MB": Var("int", 32, range(0, 1 << 16),
-        "Two-launch NVFP4 path: MiB at the tail of the input that the amax pass loads with evict_last "
-        "so the (reversed) quantize pass finds them in L2 (`kernels_dsl/quantize.py` and `kernels_cuda/quantize.py` "
-        "`TUNING`, read at import). Tuning; never changes results."),
-    "DSV4_QUANT_REVERSE": Var("int", 1, _FLAG,
-        "1: the quantize pass walks tiles tail-first (consumes the L2-resident tail first); 0: forward "
-        "(`kernels_dsl/quantize.py` and `kernels_cuda/quantize.py` `TUNING`, read at import). Tuning; never "
-        "changes results."),
-    "DSV4_QUANT_GRID_SYNC": Var("int", 1, _FLAG,
-        "1: `quantize_nvfp4` with a computed global scale on a tensor of at most one 4-warp CTA per SM runs "
-        "as ONE grid-synchronized launch (tiles kept in registers across a grid-wide amax; needs its CTAs "
-        "co-resident); 0: two launches (`kernels_dsl/quantize.py` `TUNING`, read at import). Tuning; never "
-        "changes results."),
-    # ---------------------------------------------------------------- MoE decode (kernels_cuda/moe_decode.py)
-    "DSV4_MOE_DECODE": Var("flag", 1, _FLAG,
-        "0: never use the CUDA decode kernel (`moe_decode.cu`); the grouped GEMMs then run on the CuTe DSL "
-        "provider."),
-    "DSV4_MOE_DECODE_MAXM": Var("int", 16, range(0, 17),
-        "Largest average assignments per expert, `ceil(min(R, T * topk) / E)`, sent to the decode kernel "
-        "(at most 16; 0 = never); any one expert may hold more rows: the kernel cuts it into token chunks."),
-    "DSV4_MOE_DECODE_MMA": Var("int", 1, _FLAG,
-        "Decode consumer math: 1 = per-warp `mma.sync` m16n8k16 (default; GPU tests passed and timed "
-        "on the H200 2026-11-29), 0 = warpgroup RS WGMMA m64nNk16. Same results up to FP32 order."),
-    "DSV4_MOE_DECODE_BULK": Var("int", 0, _FLAG,
-        "Decode weight copies: 0 = 16-byte `cp.async` by the producer warp (default, 2.8x faster on "
-        "the H200), 1 = one 64-byte 1-D bulk copy per row and stage. Tuning (bench)."),
-    "DSV4_MOE_DECODE_L2PF": Var("int", 256, (0, 64, 128, 256),
-        "L2 prefetch-size hint (bytes) on the decode kernel's `cp.async` weight / scale copies. "
-        "Tuning (bench)."),
-    "DSV4_MOE_DECODE_STAGES": Var("int", None, range(2, 9),
-        "Decode ring depth; default: the deepest (at most 6, at least 2) that fits the CTAs per SM of "
-        "the plan. A ring over the 227 KiB opt-in limit sends the GEMM to the prefill kernel. Tuning "
-        "(bench)."),
-    "DSV4_MOE_DECODE_NWG": Var("int", 2, (1, 2),
-        "Decode consumer warpgroups per CTA (stage 1 with FP8 activations always uses 2)."),
-    "DSV4_MOE_DECODE_SPLITK": Var("int", 4, (1, 2, 4, 8, 16),
-        "Largest device-side split-K factor of the decode kernel (it picks the smallest power of two "
-        "that fills the grid); 1 = off."),
     # ---------------------------------------------------------------- tests only
-    "DSV4_MOE_TEST_VERSIONS": Var("str", "dsl", None,
-        "Tests only: comma list of grouped-GEMM providers the prefill-sized GPU tests of `tests/test_moe.py` "
-        "run (`dsl`; `cuda` only where it serves the problem)."),
     "DSV4_RESULTS_DIR": Var("str", "", None,
         "Tests only: directory where `tests/test_indexer.py` GPU gates write their measured results "
         "(JSON); empty = not written."),
@@ -211,11 +162,14 @@ _HEADER = """# Configuration: environment variables
 Generated from `dsv4/config.py` (`VARS`) by `python -m dsv4.config --write docs/configuration.md`;
 `tests/test_config.py` fails when this file is stale. Do not edit by hand.
 
+Environment variables exist only to force providers (`DSV4_OPS`), for cache paths, for debugging
+and for test output. Kernel tunables are fields of each kernel's frozen config dataclass, chosen by
+its heuristic and shown by `registry.last_choice(op).explain()` and `dsv4 ops --verbose`.
+
 Every variable is optional. Unset or empty means the default. Variables read through the
-`dsv4.config` helpers (all but `DSV4_OPS`, `DSV4_COMPILE_ARCH` and `DSV4_CACHE_DIR`) are validated: a bad value raises `ValueError` naming the variable, the allowed
-values and the value found (flags accept exactly `0` or `1`). Most are read at each dispatch (set them
-before the call); the `DSV4_QUANT_*` and `DSV4_COMPILE_ARCH` values are read once at
-import. Variables marked *tuning* / *bench* exist for benchmarks and never change results.
+`dsv4.config` helpers (all but `DSV4_OPS` and `DSV4_CACHE_DIR`) are validated: a bad value raises
+`ValueError` naming the variable, the allowed values and the value found (flags accept exactly `0`
+or `1`). They are read at each use (set them before the call) unless the entry says otherwise.
 
 | variable | type | default | allowed | what it does |
 |---|---|---|---|---|

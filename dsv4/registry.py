@@ -27,8 +27,8 @@ silent fallback. Every dispatch records which provider ran and why (``last_choic
 The eager hot path (bench/bench_eager.py) is: the op's argument checks and its
 :meth:`~dsv4.layout.OpSpec.validate` (a generated checker), the ``torch.library`` boundary
 (:func:`custom_op`: the C++ dispatcher straight to the Python kernel), then :meth:`Op.select` (one
-dict lookup: the choice is cached per forced kind, target, problem and the ``env`` values) and
-the provider's ``run``. A problem is a frozen dataclass (:class:`Problem`) or a plain dict.
+dict lookup: the choice is cached per forced kind, target and problem) and
+the provider's ``run``. A problem is a frozen dataclass (:class:`Problem`; a plain dict works too).
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ class Problem:
     """Base of an op's problem: a frozen dataclass of the facts that select a provider and its
     config (formats, block sizes, a few shape classes; never tensors). Frozen means hashable: the
     problem itself is the registry's selection-cache key. Providers read fields as attributes or,
-    like a mapping, ``problem["fmt"]`` / ``problem.get("fmt")`` (the example problems of
-    ``dsv4 ops`` and the graph-capture cases are plain dicts; both work everywhere)."""
+    like a mapping, ``problem["fmt"]`` / ``problem.get("fmt")`` / ``dict(problem, stage=1)`` (tests
+    may hand a provider a plain dict; both work everywhere)."""
 
     __slots__ = ()
 
@@ -120,7 +120,9 @@ class Provider:
 
     Subclasses set ``kind`` and implement ``supports`` and ``run``; ``available`` defaults to
     "importable" (the module already imported). ``run(problem, **args)`` gets the problem
-    dict built by the op and the validated tensors, and returns the op's outputs.
+    built by the op (a :class:`Problem`) and the validated tensors, and returns the op's outputs;
+    ``config(problem, target)`` names the tunables it uses (a frozen dataclass from the kernel's
+    heuristic), for ``explain()``.
     """
 
     kind: str = "?"
@@ -139,6 +141,12 @@ class Provider:
     def run(self, problem: Mapping[str, Any], **args: Any) -> Any:  # pragma: no cover
         raise NotImplementedError
 
+    def config(self, problem: Mapping[str, Any], target: Target) -> Any:
+        """The tunables ``run`` uses for ``problem`` on ``target``: a frozen dataclass chosen by the
+        kernel's heuristic (``None``: no tunables). Not called on the hot path: :func:`last_choice`
+        and ``dsv4 ops --verbose`` ask for it when they explain a choice."""
+        return None
+
 
 class TorchProvider(Provider):
     """Base of the plain-torch references (kind ``torch``): they run any problem on any device."""
@@ -156,9 +164,9 @@ class Choice:
     """What dispatch picked for one problem: the kind, the reason, and why others were skipped.
 
     ``skipped``: ``(kind, reason)`` of every provider tried before ``kind``, in preference order
-    (``absent`` names those that do not exist for this op). ``config``: the tunables the provider
-    used on the last call (a frozen dataclass chosen by the provider's heuristic, or None), filled
-    in by :func:`last_choice`.
+    (``absent`` names those that do not exist for this op). ``config``: the tunables of the chosen
+    provider (a frozen dataclass chosen by its heuristic, or None), filled in by :func:`last_choice`
+    and :meth:`Op.table`. ``problem`` / ``target``: what the choice was made for.
     """
 
     kind: str
@@ -167,6 +175,8 @@ class Choice:
     forced: bool = False
     absent: tuple[str, ...] = ()
     config: Any = None
+    problem: Any = field(default=None, repr=False, compare=False)
+    target: Any = field(default=None, repr=False, compare=False)
 
     def summary(self) -> str:
         """One plain line: which provider ran and why, then why the preferred ones did not
@@ -204,17 +214,15 @@ class Op:
             (default: ``name``).
         kinds: provider kinds in preference order.
         example_problem: ``f(target) -> problem`` used by ``dsv4 ops`` to show what would run.
-        env: environment variables the providers' ``supports`` read (e.g. the MoE decode plan's
-            ``DSV4_MOE_DECODE*``): their values are part of the choice cache key, so changing one
-            between calls re-decides instead of reusing a choice made under the old value.
+
+    A provider's ``supports`` depends on the problem and the target only (the choice is cached on
+    them); what changes it otherwise calls :meth:`clear_cache`.
     """
 
     def __init__(self, name: str, spec: Any, *, module: str | None = None,
                  kinds: tuple[str, ...] = KINDS,
-                 example_problem: Callable[[Target], dict] | None = None,
-                 env: tuple[str, ...] = ()):
+                 example_problem: Callable[[Target], dict] | None = None):
         self.name = name
-        self.env = tuple(env)
         self.spec = spec
         self.module = module or name
         self.kinds = kinds
@@ -259,7 +267,7 @@ class Op:
     def select(self, problem: Mapping[str, Any], target: Target) -> tuple[Provider, Choice]:
         """The provider for ``problem`` on ``target`` and the :class:`Choice` that names it.
 
-        Decided once per (forced kind, target, problem, values of ``env``) and cached: a repeat
+        Decided once per (forced kind, target, problem) and cached: a repeat
         call costs one dict lookup (the eager hot path, bench/bench_eager.py)."""
         forced = _forced_kind(self.name)
         if type(problem) is dict:
@@ -269,15 +277,14 @@ class Op:
         else:
             pk = problem
         key = (forced, target, pk)
-        if self.env:
-            key += tuple(_getenv(v) for v in self.env)
         try:
             hit = self._cache.get(key)
         except TypeError:                    # a list / dict value, or a Mapping that is not a dict
-            key = (forced, target, _freeze(problem)) + key[3:]
+            key = (forced, target, _freeze(problem))
             hit = self._cache.get(key)
         if hit is None:
             choice = self._choose(problem, target, forced)
+            choice.problem, choice.target = problem, target
             p = self.provider(choice.kind)
             assert isinstance(p, Provider)
             hit = (p, choice)
@@ -320,8 +327,26 @@ class Op:
 
     def record_config(self, config: Any) -> None:
         """Called by a provider's ``run`` with the tunables it chose for this call (a frozen
-        dataclass from its heuristic): :func:`last_choice` / ``dsv4 ops --verbose`` show them."""
+        dataclass from its heuristic) when they depend on more than the problem (else the
+        provider's :meth:`Provider.config` says it): :func:`last_choice` shows them."""
         _CONFIG[self.name] = config
+
+    def config_of(self, choice: Choice) -> Any:
+        """The chosen provider's :meth:`Provider.config` for the choice's problem and target (None
+        when it has none; a failure is returned as its text: explaining never raises)."""
+        p = self.provider(choice.kind)
+        if isinstance(p, Support) or choice.problem is None:
+            return None
+        try:
+            return p.config(choice.problem, choice.target)
+        except Exception as e:  # noqa: BLE001
+            return f"(config not available: {type(e).__name__}: {e})"
+
+    def clear_cache(self) -> None:
+        """Forget the cached choices (after a change of what a provider's ``supports`` depends on
+        other than the problem, e.g. ``kernels_cuda.moe_decode.override``)."""
+        with self._lock:
+            self._cache.clear()
 
     def table(self, target: Target) -> list[dict]:
         """Rows for ``dsv4 ops``: each provider, whether it can run the example problem, and why
@@ -338,7 +363,8 @@ class Op:
             s = self.check(kind, problem, target) if problem else Support.no("no example problem")
             chosen = ch is not None and ch.kind == kind
             rows.append({"op": self.name, "provider": kind, "ok": s.ok, "implemented": not s.absent,
-                         "reason": s.reason, "chosen": chosen, "explain": ch.explain() if chosen else ""})
+                         "reason": s.reason, "chosen": chosen,
+                         "explain": replace(ch, config=self.config_of(ch)).explain() if chosen else ""})
         return rows
 
 
@@ -441,11 +467,16 @@ def all_ops() -> list[Op]:
 
 
 def last_choice(op: str) -> Choice | None:
-    """Which provider the last dispatch of ``op`` used, why, and (``config``) the tunables it
-    recorded for that call; ``None`` before the first dispatch. ``.explain()`` says it all."""
+    """Which provider the last dispatch of ``op`` used, why, and (``config``) its tunables (the ones
+    recorded by that call, else the provider's :meth:`Provider.config` of the problem); ``None``
+    before the first dispatch. ``.explain()`` says it all."""
     ch = _LAST.get(op)
+    if ch is None:
+        return None
     cfg = _CONFIG.get(op)
-    return ch if ch is None or cfg is None else replace(ch, config=cfg)
+    if cfg is None:
+        cfg = _REGISTRY[op].config_of(ch)
+    return ch if cfg is None else replace(ch, config=cfg)
 
 
 def _check_names(names: Any, what: str) -> None:

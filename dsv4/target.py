@@ -7,15 +7,11 @@ computed here once per device and passed to every compile.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Target", "arch_of_cc", "COMPILE_ARCH"]
-
-#: Architecture used for ahead-of-time compile checks on machines without a GPU (CI).
-COMPILE_ARCH = os.environ.get("DSV4_COMPILE_ARCH", "sm_90a")
+__all__ = ["Target", "arch_of_cc"]
 
 
 def arch_of_cc(major: int, minor: int) -> str:

@@ -6,17 +6,11 @@
 * ``indexer_logits_paged`` (decode), **NVFP4 keys only**: ``indexer_logits_kernel``, the exact
   BF16 WGMMA path (E2M1 x E4M3 scale decoded exactly to BF16 in smem, wgmma m64nNk16, fused ReLU
   x w head sum), one launch, no host sync. MXFP4 and FP8 keys run on the CuTe DSL provider
-  (kernels_dsl/indexer.py), measured 1.3-3.0x faster on the H200 (issue 13, docs/benchmarks.md)
-  and validated there; NVFP4 has no exact FP8 operand and the DSL decode kernel no BF16 path, so
-  NVFP4 decode stays here.
-* ``indexer_logits`` (prefill): no cuda provider any more. Every format runs on the CuTe DSL
-  prefill kernel (kernels_dsl/indexer.py ``prefill_logits_dsl``), validated on the H200 and faster
-  than this file's former prefill path at 8192 x 16384 causal: MXFP4 3.6x, FP8 2.2x (job idx-15),
-  NVFP4 1.48x (job lead-38); the prefill path was deleted.
-  The FP8-WGMMA variants of this file and their tuning switches (``DSV4_INDEXER_MMA`` /
-  ``_FP8_KEYS`` / ``_BULK`` / ``_DEFER`` / ``_SPLIT_NN`` / ``_DECODE_ACCBUF`` / ``_PREFILL_NQ`` /
-  ``_TUNED``) were retired with the DSL decode provider; what remains compiles to the same
-  instructions as the former default configuration (PTX checked instruction by instruction).
+  (kernels_dsl/indexer.py, measured faster: docs/benchmarks.md); NVFP4 has no exact FP8 operand
+  and the DSL decode kernel no BF16 path, so NVFP4 decode stays here.
+* ``indexer_logits`` (prefill): no cuda provider; every format runs on the CuTe DSL prefill kernel
+  (kernels_dsl/indexer.py ``prefill_logits_dsl``), measured faster than this file's former
+  prefill path (deleted).
 """
 from __future__ import annotations
 

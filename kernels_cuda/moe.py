@@ -1,26 +1,25 @@
 """CUDA (NVRTC) providers for the DSV4 MoE grouped GEMMs: the swap-AB decode kernel
-``moe_decode.cu`` (few rows per expert; plan and launch in kernels_cuda/moe_decode.py), sm_90a.
+``moe_decode.cu`` (few rows per expert; config and launch in kernels_cuda/moe_decode.py), sm_90a.
 
 Where they run (:class:`_CudaMoEBase`.supports): the registry tries ``cuda`` first
 (``dsv4.ops.moe.GEMM_KINDS``) and this provider accepts exactly the decode-sized problems
-(``<= moe_decode.DECODE_MAX_M`` rows per expert, :func:`kernels_cuda.moe_decode.plan`), where the
-decode kernel is measured faster than the CuTe DSL grouped GEMM (kernels_dsl/moe.py; job moe-12,
-2026-12-01: 1.4-1.6x at T=4..256). Prefill-sized groups go to ``dsl``, which replaced the former
-``moe.cu`` prefill kernels (v1..v4, deleted 2026-12-01 after job moe-13 timed the DSL kernel
-faster for every class: Flash T=4096 MXFP4 W4A8 1.29x v4 (moe-12), NVFP4 W4A8 1.07x v4,
-MXFP4 W4A16 2.37x v3; NVFP4 W4A8 T=16384 1.09x v4). Forcing ``cuda`` on a problem it declines
-raises ``ProviderUnavailableError``.
+(``<= moe_decode.MAX_M`` rows per expert on average, :func:`kernels_cuda.moe_decode.default_config`),
+where the decode kernel is measured faster than the CuTe DSL grouped GEMM (kernels_dsl/moe.py; job
+moe-12: 1.4-1.6x at T=4..256). Prefill-sized groups go to ``dsl`` (which replaced the deleted
+``moe.cu`` prefill kernels; docs/benchmarks.md). Forcing ``cuda`` on a problem it declines raises
+``ProviderUnavailableError``. The tunables of a call are :class:`kernels_cuda.moe_decode.DecodeConfig`
+(``config``; ``registry.last_choice(op).explain()``).
 """
 from __future__ import annotations
 
 from dsv4.registry import Support
 
 from ._provider import CudaProvider
-from . import moe_decode  # the decode kernel (few rows per expert); DSV4_MOE_DECODE=0 disables it
+from . import moe_decode  # the decode kernel (few rows per expert)
 
 
 def _rows(problem) -> int:
-    """Rows the decode plan sizes for: the assignments (``problem["rows"]`` = ``min(R, T * topk)``,
+    """Rows the decode config sizes for: the assignments (``problem["rows"]`` = ``min(R, T * topk)``,
     dsv4/ops/moe.py), not the masked layout's ``E * max_m`` slots; the kernel reads the real
     per-expert counts on the device and cuts a hot expert into token chunks."""
     return int(problem.get("rows", problem.get("R", 0)) or 0)
@@ -30,18 +29,29 @@ class _CudaMoEBase(CudaProvider):
     arch_requirement = "decode kernel (moe_decode.cu) built for sm_90a only"
     stage = 0
 
+    def config(self, problem, target=None):
+        """The :class:`~kernels_cuda.moe_decode.DecodeConfig` of ``problem``, or None (not decode-sized)."""
+        return moe_decode.default_config(_rows(problem), problem["E"], problem["N"], problem["K"], problem["act"],
+                                         problem["fmt"], self.stage)
+
     def supports_problem(self, problem):
-        act, fmt = problem["act"], problem["fmt"]
-        dp = moe_decode.plan(_rows(problem), problem["E"], problem["N"], problem["K"], act, fmt, self.stage)
-        if dp is not None:
+        cfg = self.config(problem)
+        if cfg is not None:
             return Support.yes(
-                f"cuda moe_decode.cu (swap-AB decode kernel, {dp['nt']}-token chunks, <= "
-                f"{moe_decode.DECODE_MAX_M} rows per expert): preferred over dsl, measured faster there (job "
+                f"cuda moe_decode.cu (swap-AB decode kernel, {cfg.nt}-token chunks, <= "
+                f"{moe_decode.MAX_M} rows per expert): preferred over dsl, measured faster there (job "
                 "moe-12, Flash MXFP4 W4A8 GEMM1 + GEMM2, cuda / dsl: T=4 186 / 281 us, T=64 1334 / 2038 us, "
                 "T=256 1729 / 2524 us)")
-        return Support.no(f"cuda: not decode-sized (> {moe_decode.DECODE_MAX_M} rows per expert on average, or "
-                          f"N % 256 / K % 128 != 0, or DSV4_MOE_DECODE=0): dsl serves it (the DSL grouped GEMM is faster "
+        return Support.no(f"cuda: not decode-sized (> {moe_decode.MAX_M} rows per expert on average, or "
+                          f"N % 256 / K % 128 != 0): dsl serves it (the DSL grouped GEMM is faster "
                           "than the deleted moe.cu prefill kernels for every class, jobs moe-12 / moe-13)")
+
+    def _config_of_call(self, problem, R: int, E: int, N: int, K: int):
+        cfg = moe_decode.default_config(R, E, N, K, problem["act"], problem["fmt"], self.stage)
+        if cfg is None:  # supports() declined it; only a direct call gets here
+            raise ValueError(f"cuda {self.op.name}: the problem is not decode-sized "
+                             "(kernels_cuda/moe_decode.default_config)")
+        return cfg
 
 
 class CudaMoEGemm1(_CudaMoEBase):
@@ -50,10 +60,8 @@ class CudaMoEGemm1(_CudaMoEBase):
                 "mma.sync m16n8k16, device split-K, fused clamped SwiGLU + FP8 requant")
 
     def run(self, problem, *, a, a_s, w13, w13_scale, g13, row_start, row_count, route_w):
-        dp = moe_decode.plan(_rows(problem), w13.shape[0], w13.shape[1], a.shape[1], problem["act"], problem["fmt"], 1)
-        if dp is None:  # supports() declined it; only a direct call gets here
-            raise ValueError("cuda moe_gemm1_swiglu: the problem is not decode-sized (kernels_cuda/moe_decode.plan)")
-        return moe_decode.gemm1_swiglu(dp, problem, a=a, a_s=a_s, w13=w13, w13_scale=w13_scale, g13=g13,
+        cfg = self._config_of_call(problem, _rows(problem), w13.shape[0], w13.shape[1], a.shape[1])
+        return moe_decode.gemm1_swiglu(cfg, a=a, a_s=a_s, w13=w13, w13_scale=w13_scale, g13=g13,
                                        row_start=row_start, row_count=row_count, route_w=route_w)
 
 
@@ -62,10 +70,8 @@ class CudaMoEGemm2(_CudaMoEBase):
     describe = "moe_decode.cu stage 2: swap-AB, FP4 -> BF16 decode in registers, mma.sync m16n8k16, device split-K, fp32 out"
 
     def run(self, problem, *, h, h_s, w2, w2_scale, g2, row_start, row_count):
-        dp = moe_decode.plan(_rows(problem), w2.shape[0], w2.shape[1], h.shape[1], problem["act"], problem["fmt"], 2)
-        if dp is None:  # supports() declined it; only a direct call gets here
-            raise ValueError("cuda moe_gemm2: the problem is not decode-sized (kernels_cuda/moe_decode.plan)")
-        return moe_decode.gemm2(dp, problem, h=h, h_s=h_s, w2=w2, w2_scale=w2_scale, g2=g2,
+        cfg = self._config_of_call(problem, _rows(problem), w2.shape[0], w2.shape[1], h.shape[1])
+        return moe_decode.gemm2(cfg, h=h, h_s=h_s, w2=w2, w2_scale=w2_scale, g2=g2,
                                 row_start=row_start, row_count=row_count)
 
 

@@ -13,14 +13,16 @@
 //   1. pass A: each CTA of the cluster histograms its contiguous slice of the row into 2048 bins
 //      of a monotone bucket (top 11 bits of the order-preserving fp16 code: 32 bins per octave);
 //      with TOPK_RES the slice is one register tile (host-checked) and stays in registers for
-//      pass B; the histograms are summed through DSMEM; a block scan finds the bin b0 that holds
-//      the k-th best.
-//   2. pass B (registers, or a re-read that mostly hits L1/L2): elements with bucket > b0
-//      ("winners") are appended to the CTA's own shared buffer, elements of bin b0 to its
-//      candidate buffer (if the bin fits TOPK_CAP; else the leader re-reads the row), with the
-//      AND/OR of their keys; warp-aggregated shared atomics on the CTA's own counters. Other CTAs
-//      of the cluster then reserve a range of the leader's buffers (one DSMEM atomic per CTA and
-//      stream, one for the AND / OR) and copy their entries there.
+//      pass B; the histograms are summed through DSMEM (2 / 4 CTAs: every CTA reads every peer's
+//      bins, vector loads, peers staggered; 8 / 16 CTAs: reduce-scatter of 2048 / CLUSTER-bin
+//      chunks, then only the chunk that holds the k-th best); a block scan finds its bin b0.
+//   2. pass B: elements with bucket > b0 ("winners") go to the leader's selected buffer, elements
+//      of bin b0 to its candidate buffer (if the bin fits TOPK_CAP; else the leader re-reads the
+//      row), with the AND/OR of their keys. Register-resident slices: a block-wide scan of the
+//      per-thread counts, one 64-bit DSMEM reservation per CTA, direct stores into the leader's
+//      buffers. Streamed slices (a re-read that mostly hits L1/L2): warp-aggregated shared atomics
+//      on the CTA's own buffers (no barrier per tile), then one reservation per buffer at the
+//      leader and a copy.
 //   3. leader, threshold inside b0: if n_cand^2 <= TOPK_RANKW * threads, every candidate counts the
 //      candidates above it (its rank; G threads per candidate): rank < need -> selected, and the
 //      rank is its place in the sorted output. Else radix refinement over C, 11-bit digits from
@@ -40,7 +42,7 @@
 // a barrier.
 //
 // Macros: TOPK_SELECT (defined: also build topk_select_kernel, bottom of the file; needs TOPK_CLUSTER 1),
-// TOPK_THREADS (256/512/1024), TOPK_CLUSTER (1/2/4/8 CTAs per row), TOPK_CAP (candidate
+// TOPK_THREADS (256/512/1024), TOPK_CLUSTER (1/2/4/8/16 CTAs per row), TOPK_CAP (candidate
 // buffer entries, >= 2048), TOPK_VEC (1: 16-byte loads, needs 16 B aligned rows; 0: scalar loads),
 // TOPK_RES (1: every CTA's slice of the row is at most one tile of TOPK_THREADS * 16 positions).
 #include "common.cuh"
@@ -77,19 +79,26 @@ static_assert(TOPK_NBINS % TOPK_THREADS == 0, "bins per thread must be integral"
 static_assert(TOPK_NWARPS <= 32, "at most 32 warps");
 static_assert(TOPK_CAP >= TOPK_KMAX, "the candidate buffer doubles as the sort's scratch (k entries)");
 
+#define TOPK_SMEM_BASE (8 * TOPK_KMAX + 8 * TOPK_CAP + 8 * TOPK_NBINS + 512)  // dynamic smem (host: smem_bytes)
+
 struct TopkSmem {
   u64 sel[TOPK_KMAX];     // the selected composites (leader); after the sort's scatter, the output order
   u64 cand[TOPK_CAP];     // candidates of the threshold bin; then the bucket-grouped sort scratch
   u32 hist[TOPK_NBINS];   // histogram (each CTA); radix digits / segment cursors (leader)
   u32 seg[TOPK_NBINS];    // sort: per sub-bucket start in the output << 16 | count
   u32 scan[32];
-  u32 n_sel, n_cand, and_hi, or_hi, total, res_above, res_cnt;  // and/or: of b0 keys
+  u32 n_sel, n_cand;          // adjacent, 8-byte aligned: one 64-bit atomic reserves both (pass B)
+  u32 and_hi, or_hi, total, res_above, res_cnt;  // and/or: of b0 keys
   int res_bin;
-  u32 gb_sel, gb_cand, last;  // remote reservation bases; topk_select_kernel's last-CTA flag
+  u32 gb_sel, gb_cand, last;  // streamed pass B / topk_select_kernel: reservation bases; the last-CTA flag
+  u32 ctot[16];               // reduce-scatter merge: every CTA's merged chunk total (cluster rank order)
+  u64 base;                   // pass B: this tile's reservation (n_cand << 32 | n_sel before it)
   u64 cmin, cmax;             // sort: composite range of the selected entries
 };
-// host side reserves 8*KMAX + 8*CAP + 8*NBINS + 512 bytes
-static_assert(sizeof(TopkSmem) <= 8 * TOPK_KMAX + 8 * TOPK_CAP + 8 * TOPK_NBINS + 512, "smem layout");
+// host side reserves TOPK_SMEM_BASE = 8*KMAX + 8*CAP + 8*NBINS + 512 bytes
+static_assert(sizeof(TopkSmem) <= TOPK_SMEM_BASE, "smem layout");
+// n_sel / n_cand form one 8-byte aligned word: every member before them is a multiple of 8 bytes long
+static_assert((8 * TOPK_KMAX + 8 * TOPK_CAP + 8 * TOPK_NBINS + 4 * 32) % 8 == 0, "n_sel / n_cand: one 64-bit word");
 
 // ------------------------------------------------------------------------------------------
 // shared-memory address helpers (smem_u32: common.cuh); leader buffers are addressed in the shared::cluster window
@@ -121,11 +130,6 @@ DSV4_DEVICE u32 cl_map(u32 a, u32) { return a; }
 DSV4_DEVICE void cl_sync() { __syncthreads(); }
 #endif
 
-DSV4_DEVICE u32 sp_ld(u32 a) {
-  u32 v;
-  asm volatile("ld." TOPK_SPACE ".u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
-  return v;
-}
 DSV4_DEVICE void sp_st64(u32 a, u64 v) {
   asm volatile("st." TOPK_SPACE ".u64 [%0], %1;" :: "r"(a), "l"(v) : "memory");
 }
@@ -133,6 +137,28 @@ DSV4_DEVICE u32 sp_add(u32 a, u32 v) {
   u32 old;
   asm volatile("atom." TOPK_SPACE ".add.u32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
   return old;
+}
+DSV4_DEVICE u32 sp_ld32(u32 a) {
+  u32 v;
+  asm volatile("ld." TOPK_SPACE ".u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+DSV4_DEVICE void sp_st32(u32 a, u32 v) { asm volatile("st." TOPK_SPACE ".u32 [%0], %1;" :: "r"(a), "r"(v) : "memory"); }
+DSV4_DEVICE u64 sp_add64(u32 a, u64 v) {
+  u64 old;
+  asm volatile("atom." TOPK_SPACE ".add.u64 %0, [%1], %2;" : "=l"(old) : "r"(a), "l"(v) : "memory");
+  return old;
+}
+// TOPK_BPT consecutive histogram words at a (aligned to 4 * TOPK_BPT bytes), in one or two vector loads
+DSV4_DEVICE void sp_ld_bins(u32 a, u32 (&v)[TOPK_BPT]) {
+#if TOPK_BPT == 2
+  asm volatile("ld." TOPK_SPACE ".v2.u32 {%0,%1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "r"(a));
+#else
+#pragma unroll
+  for (int q = 0; q < TOPK_BPT; q += 4)
+    asm volatile("ld." TOPK_SPACE ".v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v[q]), "=r"(v[q + 1]), "=r"(v[q + 2]), "=r"(v[q + 3]) : "r"(a + 4u * q));
+#endif
 }
 DSV4_DEVICE void sp_and(u32 a, u32 v) {
   u32 old;
@@ -155,11 +181,14 @@ DSV4_DEVICE u32 bucket_of(u32 u) {
   return hh >> 5;
 }
 // fp32 bits -> (valid, key32, bucket). key32: order-preserving, -0.0 == +0.0.
+DSV4_DEVICE u32 key_of(u32 u) {
+  u = (u == 0x80000000u) ? 0u : u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
 DSV4_DEVICE void decode(u32 u, bool in_range, bool& valid, u32& key, u32& bucket) {
   valid = in_range && ((u & 0x7FFFFFFFu) <= 0x7F800000u) && (u != 0xFF800000u);
-  u = (u == 0x80000000u) ? 0u : u;
-  key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  bucket = bucket_of(u);
+  key = key_of(u);
+  bucket = bucket_of((u == 0x80000000u) ? 0u : u);
 }
 // inverse of key32 (canonical fp32 bits)
 DSV4_DEVICE u32 key_bits(u32 key) { return (key & 0x80000000u) ? (key ^ 0x80000000u) : ~key; }
@@ -190,7 +219,8 @@ DSV4_DEVICE void tile_load(const float* __restrict__ rowp, int g0, int ghi, int 
     load_group(rowp, g, g < ghi, lo, hi, w[u]);
   }
 }
-// f(key, pos, bucket, valid) for every slot of the tile, by every thread (so f may use full-warp votes)
+// f(key, pos, bucket, valid, slot) for every slot (0..15) of the tile, by every thread (so f may use
+// full-warp votes)
 template <typename F>
 DSV4_DEVICE void tile_visit(const u32 (&w)[TOPK_UNROLL][4], int g0, int ghi, int lo, int hi, F&& f) {
 #pragma unroll
@@ -202,7 +232,7 @@ DSV4_DEVICE void tile_visit(const u32 (&w)[TOPK_UNROLL][4], int g0, int ghi, int
       bool valid;
       u32 key, bucket;
       decode(w[u][j], g < ghi && p >= lo && p < hi, valid, key, bucket);
-      f(key, p, bucket, valid);
+      f(key, p, bucket, valid, 4 * u + j);
     }
   }
 }
@@ -243,10 +273,131 @@ DSV4_DEVICE void append(u64* buf, u32* cnt, u64 v, bool pred, u32 cap) {
   }
 }
 
+// inclusive prefix sum over the warp's lanes (full warp)
+DSV4_DEVICE u32 warp_incl_scan(u32 v) {
+  const u32 lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 y = __shfl_up_sync(FULL, v, o);
+    if (lane >= (u32)o) v += y;
+  }
+  return v;
+}
+
 DSV4_DEVICE u64 shfl_xor64(u64 v, int m) {
   const u32 lo = __shfl_xor_sync(FULL, (u32)v, m);
   const u32 hi = __shfl_xor_sync(FULL, (u32)(v >> 32), m);
   return ((u64)hi << 32) | lo;
+}
+
+// ------------------------------------------------------------------------------------------
+// pass B, one tile: the tile's winners (bucket > b0; with all_b0 also bucket == b0) and, with
+// store_cand, its candidates (bucket == b0) are compacted into the leader's buffers S.sel / S.cand
+// (shared::cluster window addresses lsel / lcand, counters n_sel | n_cand << 32 at lcnt): a 16-bit
+// mask per thread and stream, a block-wide exclusive scan of the packed counts (sel | cand << 16,
+// <= 16384 each per tile), ONE 64-bit reservation per tile and CTA, then every thread stores its
+// entries. a_and / a_or accumulate the AND / OR of the candidates' key32. Contains barriers.
+DSV4_DEVICE void tile_compact(TopkSmem& S, const u32 (&w)[TOPK_UNROLL][4], int g0, int ghi, int lo, int hi, int b0,
+                              bool all_b0, bool store_cand, u32 lsel, u32 lcand, u32 lcnt, u32& a_and, u32& a_or) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  u32 msel = 0u, mcand = 0u;
+  tile_visit(w, g0, ghi, lo, hi, [&](u32 key, int, u32 bucket, bool valid, int s) {
+    const int bk = (int)bucket;
+    const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
+    const bool to_cand = valid && !all_b0 && bk == b0;
+    msel |= (u32)to_sel << s;
+    mcand |= (u32)to_cand << s;
+    if (to_cand) {
+      a_and &= key;
+      a_or |= key;
+    }
+  });
+  if (!store_cand) mcand = 0u;
+  const u32 v = (u32)__popc(msel) | ((u32)__popc(mcand) << 16);
+  const u32 incl = warp_incl_scan(v);
+  if (lane == 31) S.scan[warp] = incl;
+  __syncthreads();
+  const u32 t = (lane < TOPK_NWARPS) ? S.scan[lane] : 0u;
+  const u32 wi = warp_incl_scan(t);
+  const u32 wex = __shfl_sync(FULL, wi - t, warp), tot = __shfl_sync(FULL, wi, 31);
+  if (tid == 0) S.base = tot ? sp_add64(lcnt, ((u64)(tot >> 16) << 32) | (tot & 0xFFFFu)) : 0ull;
+  __syncthreads();  // S.base published; every warp has read S.scan
+  const u64 base = S.base;
+  const u32 ex = wex + incl - v;
+  u32 os = (u32)base + (ex & 0xFFFFu), oc = (u32)(base >> 32) + (ex >> 16);
+  tile_visit(w, g0, ghi, lo, hi, [&](u32 key, int p, u32, bool, int s) {
+    const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
+    if ((msel >> s) & 1u) {
+      if (os < (u32)TOPK_KMAX) sp_st64(lsel + 8u * os, comp);
+      ++os;
+    }
+    if ((mcand >> s) & 1u) {
+      if (oc < (u32)TOPK_CAP) sp_st64(lcand + 8u * oc, comp);
+      ++oc;
+    }
+  });
+}
+
+// pass B over this CTA's slice (groups [my_lo, my_hi)) into the leader's buffers (rank 0 of the
+// cluster; the CTA itself without one), then the AND / OR of the candidates' keys into the leader's
+// words (shared atomics, then one DSMEM atomic each). RESIDENT: w holds the slice (one tile) -> the
+// block-scan compaction (tile_compact) straight into the leader's buffers. Streamed (two passes, the
+// second mostly from L1 / L2): warp-aggregated appends to this CTA's own buffers (no barrier per tile,
+// so the warps' re-reads overlap), then one reservation per buffer at the leader and a copy (the
+// per-tile block scan made the streamed pass B slower on the H200, job topk7-02: [64, 65536] 26.8 us
+// vs 24.6 with these appends in topk-02). Contains barriers.
+template <bool RESIDENT>
+DSV4_DEVICE void pass_b(TopkSmem& S, const float* __restrict__ rowp, u32 (&w)[TOPK_UNROLL][4], int my_lo, int my_hi,
+                        int lo, int hi, int b0, bool all_b0, bool store_cand, u32 rank) {
+  const int tid = threadIdx.x;
+  u32 a_and = 0xFFFFFFFFu, a_or = 0u;
+  if (RESIDENT) {
+    const u32 lsel = cl_map(smem_u32(S.sel), 0), lcand = cl_map(smem_u32(S.cand), 0);
+    tile_compact(S, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, lsel, lcand, cl_map(smem_u32(&S.n_sel), 0),
+                 a_and, a_or);
+  } else {
+    scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid, int) {
+      const int bk = (int)bucket;
+      const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
+      const bool to_cand = valid && !all_b0 && bk == b0;
+      if (!__any_sync(FULL, to_sel || to_cand)) return;  // common case: nothing here
+      const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
+      append(S.sel, &S.n_sel, comp, to_sel, TOPK_KMAX);
+      if (store_cand) append(S.cand, &S.n_cand, comp, to_cand, TOPK_CAP);
+      if (to_cand) {
+        a_and &= key;
+        a_or |= key;
+      }
+    });
+  }
+  if (!all_b0) {  // block-uniform
+    const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
+    if ((tid & 31) == 0 && ah != 0xFFFFFFFFu) atomicAnd(&S.and_hi, ah);
+    if ((tid & 31) == 0 && oh != 0u) atomicOr(&S.or_hi, oh);
+  }
+#if TOPK_CLUSTER > 1
+  __syncthreads();  // this CTA's appends and AND / OR are complete
+  if (rank != 0) {
+    if (tid == 0 && !all_b0) {
+      if (S.and_hi != 0xFFFFFFFFu) sp_and(cl_map(smem_u32(&S.and_hi), 0), S.and_hi);
+      if (S.or_hi != 0u) sp_or(cl_map(smem_u32(&S.or_hi), 0), S.or_hi);
+    }
+    if (!RESIDENT) {  // copy the appended entries into one reserved range of the leader's buffers
+      const u32 ns = min(S.n_sel, (u32)TOPK_KMAX), nc = store_cand ? min(S.n_cand, (u32)TOPK_CAP) : 0u;
+      if (tid == 0) {  // 32-bit atomics, as the leader's own appends on the same words (no mixed sizes)
+        S.gb_sel = ns ? sp_add(cl_map(smem_u32(&S.n_sel), 0), ns) : 0u;
+        S.gb_cand = nc ? sp_add(cl_map(smem_u32(&S.n_cand), 0), nc) : 0u;
+      }
+      __syncthreads();
+      const u32 L_sel = cl_map(smem_u32(S.sel), 0), L_cand = cl_map(smem_u32(S.cand), 0);
+      const u32 bs = S.gb_sel, bc = S.gb_cand;
+      for (u32 i = tid; i < ns; i += TOPK_THREADS)
+        if (bs + i < (u32)TOPK_KMAX) sp_st64(L_sel + 8u * (bs + i), S.sel[i]);
+      for (u32 i = tid; i < nc; i += TOPK_THREADS)
+        if (bc + i < (u32)TOPK_CAP) sp_st64(L_cand + 8u * (bc + i), S.cand[i]);
+    }
+  }
+#endif
 }
 
 // ------------------------------------------------------------------------------------------
@@ -260,24 +411,14 @@ DSV4_DEVICE void select_bin(TopkSmem& S, const u32 (&c)[TOPK_BPT], u32 need, u32
   u32 sum = 0;
 #pragma unroll
   for (int j = 0; j < TOPK_BPT; ++j) sum += c[j];
-  u32 incl = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const u32 y = __shfl_up_sync(FULL, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const u32 incl = warp_incl_scan(sum);
   __syncthreads();  // previous readers of S.scan / S.res_* are done
   if (lane == 31) S.scan[warp] = incl;
   if (tid == 0) S.res_bin = -1;
   __syncthreads();
   if (warp == 0) {
     const u32 wv = (lane < TOPK_NWARPS) ? S.scan[lane] : 0u;
-    u32 wi = wv;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const u32 y = __shfl_up_sync(FULL, wi, o);
-      if (lane >= o) wi += y;
-    }
+    const u32 wi = warp_incl_scan(wv);
     __syncwarp();
     if (lane < TOPK_NWARPS) S.scan[lane] = wi - wv;
     if (lane == 31) S.total = wi;
@@ -295,6 +436,18 @@ DSV4_DEVICE void select_bin(TopkSmem& S, const u32 (&c)[TOPK_BPT], u32 need, u32
     acc += c[j];
   }
   __syncthreads();
+}
+
+// thread 0: the CTA's append counters, AND / OR words and sort range to their initial values
+DSV4_DEVICE void init_counters(TopkSmem& S) {
+  if (threadIdx.x == 0) {
+    S.n_sel = 0u;
+    S.n_cand = 0u;
+    S.and_hi = 0xFFFFFFFFu;
+    S.or_hi = 0u;
+    S.cmin = ~0ull;
+    S.cmax = 0ull;
+  }
 }
 
 DSV4_DEVICE void load_local_bins(const TopkSmem& S, u32 (&c)[TOPK_BPT]) {
@@ -327,8 +480,10 @@ DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row
         const int t = base + tid, i = t / G, part = t & (G - 1);
         const u64 ci = (i < n_c) ? S.cand[i] : 0ull;
         u32 cnt = 0;
-        if (i < n_c)
+        if (i < n_c) {
+#pragma unroll 4
           for (int j = part; j < n_c; j += G) cnt += (S.cand[j] > ci) ? 1u : 0u;
+        }
         for (int o = G >> 1; o > 0; o >>= 1) cnt += __shfl_xor_sync(FULL, cnt, o);  // G is block-uniform
         if (i < n_c && part == 0 && cnt < need0) S.sel[above0 + cnt] = ci;  // winners: exactly above0
       }
@@ -351,7 +506,7 @@ DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row
             f(pr ? S.cand[i] : 0ull, pr);
           }
         } else {  // bin b0 overflowed the buffer: re-read the whole row, keep bucket == b0
-          scan_groups(rowp, g_lo, g_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
+          scan_groups(rowp, g_lo, g_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid, int) {
             f(((u64)key << 32) | (u32)(hi - 1 - p), valid && (int)bucket == b0);
           });
         }
@@ -492,13 +647,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
   const int my_hi = g_lo + min((int)rank * per + per, ng);
 
   for (int i = tid; i < TOPK_NBINS; i += TOPK_THREADS) S.hist[i] = 0u;
-  if (tid == 0) {
-    S.n_sel = 0u; S.n_cand = 0u;
-    S.and_hi = 0xFFFFFFFFu;
-    S.or_hi = 0u;
-    S.cmin = ~0ull;
-    S.cmax = 0ull;
-  }
+  init_counters(S);
 #if TOPK_RES
   u32 w[TOPK_UNROLL][4];  // the whole slice (host guarantees my_hi - my_lo <= TOPK_TILE)
   tile_load(rowp, my_lo, my_hi, lo, hi, w);
@@ -507,76 +656,91 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
 
   // ---- pass A: bucket histogram of this slice
 #if TOPK_RES
-  tile_visit(w, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid) { hist_add(S.hist, bucket, valid); });
+  tile_visit(w, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid, int) { hist_add(S.hist, bucket, valid); });
 #else
-  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid) {
+  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32, int, u32 bucket, bool valid, int) {
     hist_add(S.hist, bucket, valid);
   });
 #endif
   cl_sync();  // histograms complete (and leader counters initialized) cluster-wide
 
-  // ---- merged histogram -> bin b0 of the k-th best, output segments of the bins above it
+  // ---- merged histogram -> bin b0 of the k-th best
   u32 c[TOPK_BPT];
+#if TOPK_CLUSTER >= 8
+  // reduce-scatter (clusters of 8 / 16; job topk7-02, [1, 129280]: 16 x 512 threads 15.7 vs 17.9 us
+  // all-gather, 8 x 1024 on par; 4 x 1024 all-gather faster): CTA r merges chunk r (W bins) of every
+  // peer's histogram into its S.seg[0, W) and sends the chunk's total to every CTA (S.ctot[r]); after
+  // a cluster barrier each CTA finds the chunk c* that holds the k-th best
+  // (from the top), reads c*'s merged bins from CTA c* and stands the total above c* in for the bins
+  // above it (select_bin then finds b0, above0, cnt0 exactly). Per CTA W x CLUSTER + W remote words.
   {
-    const u32 hbase = smem_u32(S.hist);
+    constexpr int W = TOPK_NBINS / TOPK_CLUSTER;
+    static_assert(W <= TOPK_THREADS, "one thread per bin of the chunk");
+    const int warp = tid >> 5;
+    u32 sum = 0u;
+    if (tid < W) {
+      const u32 a = smem_u32(S.hist) + 4u * (rank * W + tid);
+#pragma unroll
+      for (int i = 0; i < TOPK_CLUSTER; ++i) sum += sp_ld32(cl_map(a, (rank + (u32)i) % TOPK_CLUSTER));
+      S.seg[tid] = sum;
+    }
+    const u32 ws = __reduce_add_sync(FULL, sum);
+    if (lane == 0 && warp < (W + 31) / 32) S.scan[warp] = ws;
+    __syncthreads();
+    if (tid < TOPK_CLUSTER) {
+      u32 tot = 0u;
+      for (int q = 0; q < (W + 31) / 32; ++q) tot += S.scan[q];
+      sp_st32(cl_map(smem_u32(&S.ctot[rank]), (u32)tid), tot);
+    }
+    cl_sync();  // chunk totals in every CTA, merged chunks readable
+    int cs = -1;
+    u32 above = 0u;
+#pragma unroll
+    for (int q = TOPK_CLUSTER - 1; q >= 0; --q) {
+      const u32 t = S.ctot[q];
+      if (cs < 0) {
+        if (above + t >= kk0) cs = q;
+        else above += t;
+      }
+    }
+    const u32 sbase = smem_u32(S.seg);
 #pragma unroll
     for (int j = 0; j < TOPK_BPT; ++j) {
-      const u32 bin = TOPK_NBINS - 1 - (tid * TOPK_BPT + j);
-      u32 s = 0;
-#pragma unroll
-      for (int r = 0; r < TOPK_CLUSTER; ++r) s += sp_ld(cl_map(hbase + 4u * bin, (u32)r));
-      c[j] = s;
+      const int bin = TOPK_NBINS - 1 - (tid * TOPK_BPT + j);
+      u32 v = 0u;
+      if (cs >= 0 && bin / W == cs) v = sp_ld32(cl_map(sbase + 4u * (bin - cs * W), (u32)cs));
+      else if (bin == (cs < 0 ? TOPK_NBINS - 1 : (cs + 1) * W)) v = above;  // the total above chunk c*
+      c[j] = v;
     }
   }
+#else
+  {
+    // this thread's bins NBINS - BPT * (tid + 1) + i (i < BPT; c[j] is element BPT - 1 - j), one vector
+    // load per peer; peers visited from this CTA's own rank on, so that the CTAs read different peers
+    const u32 a = smem_u32(S.hist) + 4u * (TOPK_NBINS - TOPK_BPT * (tid + 1));
+#pragma unroll
+    for (int j = 0; j < TOPK_BPT; ++j) c[j] = 0u;
+#pragma unroll
+    for (int i = 0; i < TOPK_CLUSTER; ++i) {
+      u32 v[TOPK_BPT];
+      sp_ld_bins(cl_map(a, (rank + (u32)i) % TOPK_CLUSTER), v);
+#pragma unroll
+      for (int j = 0; j < TOPK_BPT; ++j) c[j] += v[TOPK_BPT - 1 - j];
+    }
+  }
+#endif
   select_bin(S, c, kk0, nullptr);
   const int b0 = S.res_bin;          // -1: fewer than k selectable -> take all
   const u32 above0 = S.res_above, cnt0 = S.res_cnt;
   const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
   const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
 
-  // ---- pass B: winners and b0 candidates into this CTA's buffers
-  u32 a_and = 0xFFFFFFFFu, a_or = 0u;  // AND / OR of the b0 candidates' key32
-  auto pass_b = [&](u32 key, int p, u32 bucket, bool valid) {
-    const int bk = (int)bucket;
-    const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
-    const bool to_cand = valid && !all_b0 && bk == b0;
-    if (!__any_sync(FULL, to_sel || to_cand)) return;  // common case: nothing here
-    const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
-    append(S.sel, &S.n_sel, comp, to_sel, TOPK_KMAX);
-    if (store_cand) append(S.cand, &S.n_cand, comp, to_cand, TOPK_CAP);
-    if (to_cand) {
-      a_and &= key;
-      a_or |= key;
-    }
-  };
+  // ---- pass B: winners and b0 candidates straight into the leader's buffers
 #if TOPK_RES
-  tile_visit(w, my_lo, my_hi, lo, hi, pass_b);
+  pass_b<true>(S, rowp, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, rank);
 #else
-  scan_groups(rowp, my_lo, my_hi, lo, hi, pass_b);
-#endif
-  if (!all_b0) {  // block-uniform; per warp into this CTA's words (shared atomics)
-    const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
-    if (lane == 0 && ah != 0xFFFFFFFFu) atomicAnd(&S.and_hi, ah);
-    if (lane == 0 && oh != 0u) atomicOr(&S.or_hi, oh);
-  }
-#if TOPK_CLUSTER > 1
-  __syncthreads();  // this CTA's appends and AND / OR are complete
-  if (rank != 0) {  // copy them into ranges of the leader's buffers (one DSMEM atomic per word)
-    const u32 ns = min(S.n_sel, (u32)TOPK_KMAX), nc = store_cand ? min(S.n_cand, (u32)TOPK_CAP) : 0u;
-    if (tid == 0) {
-      S.gb_sel = ns ? sp_add(cl_map(smem_u32(&S.n_sel), 0), ns) : 0u;
-      S.gb_cand = nc ? sp_add(cl_map(smem_u32(&S.n_cand), 0), nc) : 0u;
-      if (!all_b0 && S.and_hi != 0xFFFFFFFFu) sp_and(cl_map(smem_u32(&S.and_hi), 0), S.and_hi);
-      if (!all_b0 && S.or_hi != 0u) sp_or(cl_map(smem_u32(&S.or_hi), 0), S.or_hi);
-    }
-    __syncthreads();
-    const u32 L_sel = cl_map(smem_u32(S.sel), 0), L_cand = cl_map(smem_u32(S.cand), 0);
-    const u32 bs = S.gb_sel, bc = S.gb_cand;
-    for (u32 i = tid; i < ns; i += TOPK_THREADS)
-      if (bs + i < (u32)TOPK_KMAX) sp_st64(L_sel + 8u * (bs + i), S.sel[i]);
-    for (u32 i = tid; i < nc; i += TOPK_THREADS)
-      if (bc + i < (u32)TOPK_CAP) sp_st64(L_cand + 8u * (bc + i), S.cand[i]);
-  }
+  u32 w[TOPK_UNROLL][4];
+  pass_b<false>(S, rowp, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, rank);
 #endif
   cl_sync();  // all entries visible at the leader; nobody reads a peer's smem after this
   if (rank != 0) return;
@@ -631,13 +795,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
   const int my_lo = g_lo + min(part * per, ng);
   const int my_hi = g_lo + min(part * per + per, ng);
 
-  if (tid == 0) {
-    S.n_sel = 0u; S.n_cand = 0u;
-    S.and_hi = 0xFFFFFFFFu;
-    S.or_hi = 0u;
-    S.cmin = ~0ull;
-    S.cmax = 0ull;
-  }
+  init_counters(S);
   u32 c[TOPK_BPT];
   {
     const u32* __restrict__ hrow = hist + row * TOPK_NBINS;
@@ -651,24 +809,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
   const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
 
   // ---- pass B on this slice, into this CTA's shared buffers
-  u32 a_and = 0xFFFFFFFFu, a_or = 0u;
-  scan_groups(rowp, my_lo, my_hi, lo, hi, [&](u32 key, int p, u32 bucket, bool valid) {
-    const int bk = (int)bucket;
-    const bool to_sel = valid && (bk > b0 || (all_b0 && bk == b0));
-    const bool to_cand = valid && !all_b0 && bk == b0;
-    if (!__any_sync(FULL, to_sel || to_cand)) return;
-    const u64 comp = ((u64)key << 32) | (u32)(hi - 1 - p);
-    append(S.sel, &S.n_sel, comp, to_sel, TOPK_KMAX);
-    if (store_cand) append(S.cand, &S.n_cand, comp, to_cand, TOPK_CAP);
-    if (to_cand) {
-      a_and &= key;
-      a_or |= key;
-    }
-  });
-  if (!all_b0) {  // block-uniform
-    const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
-    if (lane == 0 && ah != 0xFFFFFFFFu) atomicAnd(&S.and_hi, ah);
-    if (lane == 0 && oh != 0u) atomicOr(&S.or_hi, oh);
+  {
+    u32 w[TOPK_UNROLL][4];
+    pass_b<false>(S, rowp, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, 0u);
   }
   __syncthreads();
   const u32 ns = min(S.n_sel, (u32)TOPK_KMAX), nc = store_cand ? min(S.n_cand, (u32)TOPK_CAP) : 0u;

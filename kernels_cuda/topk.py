@@ -9,9 +9,9 @@ same set in an unspecified order.
 
 Shape-adaptive, one op (:func:`default_config` returns a :class:`TopkConfig`): short rows: one CTA
 per row with the row in registers (``resident``: one global read); few or long rows: the smallest
-cluster (up to 8 CTAs per row, DSMEM histogram merge) whose slices fit one register tile; rows too
-long for that: 2-CTA clusters that stream the row twice (the second pass mostly hits L1/L2); more
-rows than SMs: one 512-thread CTA per row, two passes.
+cluster (up to 8 CTAs per row, DSMEM histogram merge) whose slices fit one register tile, 16 CTAs
+for 1-4 rows of up to 128k; rows too long for that: 2-CTA clusters that stream the row twice (the
+second pass mostly hits L1/L2); more rows than SMs: one 512-thread CTA per row, two passes.
 
 ``topk_select_cuda`` (``topk_select_kernel``, built with ``TOPK_SELECT``) is the selection stage of
 the fused ``indexer_topk_paged`` (kernels_dsl/indexer.py ``DslTopkPagedFused``): the same selection
@@ -28,7 +28,7 @@ bitwise equal to this op. A DSL port is open work (issue 15 item 3), not a wall 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ _smem_ready: set[int] = set()
 
 
 def smem_bytes(cap: int = CAP) -> int:
-    """Dynamic shared memory of ``topk_kernel`` / ``topk_select_kernel`` (the static_assert in topk.cu)."""
+    """Dynamic shared memory of ``topk_kernel`` / ``topk_select_kernel`` (TOPK_SMEM_BASE in topk.cu)."""
     return 8 * KMAX + 8 * cap + 8 * NBINS + 512
 
 
@@ -60,6 +60,9 @@ class TopkConfig:
     threads: int
     resident: bool
     vec: bool = True
+
+    def __str__(self) -> str:  # what registry.last_choice("topk").explain() shows
+        return self.explain()
 
     def explain(self) -> str:
         return (f"{self.cluster} CTA{'s' if self.cluster > 1 else ''}/row x {self.threads} threads, "
@@ -78,12 +81,15 @@ def default_config(rows: int, ncols: int, sm_count: int) -> TopkConfig:
 
     * the smallest cluster (1..8 CTAs per row) whose slices fit one register tile of 1024 threads
       (16384 positions): the row is read once; 512 threads up to 8192 positions per CTA;
+    * 1-4 rows that need 8 such CTAs: 16 CTAs of 512 threads (a non-portable cluster; its histograms
+      merged by reduce-scatter), whose slices still fit 512-thread tiles (8192 positions);
     * rows too long for that: the largest cluster with >= 2048 positions per CTA, 1024 threads,
       two passes over the row (the second mostly from L1/L2);
     * more rows than SMs: one CTA of 512 threads per row, two passes, 2 CTAs per SM.
 
-    Measured (job topk-01, H200, [32, 32768] k=512): 2 CTAs x 1024 threads resident 15.5 us vs 4 x 512
-    resident 27.0 and 4 x 1024 resident 24.7; timed side by side in bench/bench_topk.py."""
+    Timed side by side in bench/bench_topk.py (docs/benchmarks.md, jobs topk-01 / topk7-02 on the H200):
+    e.g. [32, 32768] k=512 2 x 1024 resident 15.2 us vs 4 x 512 resident 21.0; [1, 129280] k=1024
+    16 x 512 resident 15.6 vs 8 x 1024 resident 17.8 and 16 x 1024 18.1."""
     if rows > sm_count:   # more than one wave anyway: 1 CTA per row, 2 CTAs per SM (<= 64 registers)
         return TopkConfig(1, 512, False)
     cap = max(1, sm_count // max(rows, 1))
@@ -91,6 +97,8 @@ def default_config(rows: int, ncols: int, sm_count: int) -> TopkConfig:
     while cluster < 8 and 2 * cluster <= cap and not fits_resident(ncols, cluster, 1024):
         cluster *= 2
     if fits_resident(ncols, cluster, 1024):
+        if cluster == 8 and rows <= 4 and rows * 16 <= sm_count and fits_resident(ncols, 16, 512):
+            return TopkConfig(16, 512, True)
         threads = 512 if fits_resident(ncols, cluster, 512) else 1024
         return TopkConfig(cluster, threads, True)
     cluster = 1
@@ -133,6 +141,26 @@ def _kernel(mod, name: str, cluster: int = 1):
     return kern
 
 
+def launch_config(logits: torch.Tensor, config: TopkConfig | None = None, *, cluster: int | None = None,
+                  threads: int | None = None, resident: bool | None = None, vec: bool | None = None) -> TopkConfig:
+    """The :class:`TopkConfig` a call on ``logits`` runs with: ``config`` or :func:`default_config`
+    (single fields overridden by ``cluster`` / ``threads`` / ``resident`` / ``vec``), with ``vec``
+    cleared where the rows are not 16-byte aligned (the kernel then uses scalar loads)."""
+    rows, ncols = logits.shape
+    if config is None:
+        from dsv4.target import Target
+        d = default_config(rows, ncols, Target.of(logits.device).sm_count or 132)
+        cl, th = cluster or d.cluster, threads or d.threads
+        res = (d.resident if (cl, th) == (d.cluster, d.threads) else fits_resident(ncols, cl, th)) \
+            if resident is None else bool(resident)
+        config = TopkConfig(cl, th, res, True if vec is None else bool(vec))
+    elif vec is not None:
+        config = replace(config, vec=config.vec and bool(vec))
+    row_stride = logits.stride(0) if rows > 1 else ncols
+    aligned = logits.data_ptr() % 16 == 0 and (rows == 1 or row_stride % 4 == 0) and logits.stride(1) == 1
+    return config if aligned or not config.vec else replace(config, vec=False)
+
+
 def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, block_table=None,
               block_size: int = 0, rows_per_seq: int = 1, *, sorted: bool = True, num_blocks: int | None = None,
               config: TopkConfig | None = None, cluster: int | None = None, threads: int | None = None,
@@ -148,20 +176,12 @@ def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, 
     out_idx, out_sc = _outputs(rows, k, dev)
     if rows == 0:
         return out_idx, out_sc
-    if config is None:
-        from dsv4.target import Target
-        d = default_config(rows, ncols, Target.of(dev).sm_count or 132)
-        cl, th = cluster or d.cluster, threads or d.threads
-        res = (d.resident if (cl, th) == (d.cluster, d.threads) else fits_resident(ncols, cl, th)) \
-            if resident is None else bool(resident)
-        config = TopkConfig(cl, th, res, True)
+    config = launch_config(logits, config, cluster=cluster, threads=threads, resident=resident, vec=vec)
     row_stride = logits.stride(0) if rows > 1 else ncols
-    aligned = logits.data_ptr() % 16 == 0 and (rows == 1 or row_stride % 4 == 0) and logits.stride(1) == 1
-    use_vec = aligned if vec is None else bool(vec) and aligned
     if config.resident and not fits_resident(ncols, config.cluster, config.threads):
         raise ValueError(f"topk_cuda: resident config {config} does not fit rows of {ncols}")
     mod = load("topk.cu", TOPK_CLUSTER=config.cluster, TOPK_THREADS=config.threads, TOPK_CAP=CAP,
-               TOPK_VEC=int(use_vec and config.vec), TOPK_RES=int(config.resident))
+               TOPK_VEC=int(config.vec), TOPK_RES=int(config.resident))
     kern = _kernel(mod, "topk_kernel", config.cluster)
     has_st = starts is not None
     has_bt = block_table is not None
@@ -239,7 +259,7 @@ def topk_select_cuda(logits: torch.Tensor, lengths: torch.Tensor, ws: torch.Tens
 
 
 class CudaTopk(CudaProvider):
-    describe = ("topk.cu: shape-adaptive radix select (1 CTA/row, row in registers; or a cluster of up to 8 CTAs/row), "
+    describe = ("topk.cu: shape-adaptive radix select (1 CTA/row, row in registers; or a cluster of up to 16 CTAs/row), "
                 "rank refinement, bucket-segment sort")
     arch_requirement = "built for sm_90a only (thread-block clusters, DSMEM)"
 
@@ -251,8 +271,10 @@ class CudaTopk(CudaProvider):
 
     def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=True,
             num_blocks=None):
+        config = launch_config(logits) if logits.shape[0] else None
+        self.op.record_config(config)
         return topk_cuda(logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=sorted,
-                         num_blocks=num_blocks)
+                         num_blocks=num_blocks, config=config)
 
 
 PROVIDERS = {"topk": CudaTopk}

@@ -4,8 +4,8 @@
   kernel is kept here, keyed by its specialization ``(op, dtypes, static shape params, arch)``.
 * The arch is always passed (``--gpu-arch sm_90a``): with no GPU visible the DSL would
   silently target sm_100a.
-* On-disk cache: each compiled kernel is also exported (``compiled.export_to_c`` -> ``.o``,
-  CuTe ABI, no ``apache-tvm-ffi`` needed) under ``$DSV4_CACHE_DIR/dsl`` (default
+* On-disk cache: each compiled kernel is also exported (``compiled.export_to_c`` -> ``.o``; the
+  CuTe ABI on the DSL's own call path, a TVM-FFI function on the fast one, below) under ``$DSV4_CACHE_DIR/dsl`` (default
   ``~/.cache/dsv4/dsl``) and reloaded with ``cute.runtime.load_module`` in later processes
   (verified on the H200 2026-11-29: load 4-5 ms vs a fresh compile, bit-exact; a ``.o`` built
   on a CPU machine with the cu12 wheel also loaded and ran under the GPU's cu13 bundle). The
@@ -13,6 +13,21 @@
   writes are atomic; an entry that fails to load is deleted and recompiled.
   ``DSV4_DSL_DISK_CACHE=0`` turns it off.
 * ``cute.compile`` is not thread-safe: a process-wide lock serializes compiles.
+* Fast call path (TVM-FFI): when ``apache-tvm-ffi`` imports (the ``[cu13]`` install), every kernel
+  is compiled with ``--enable-tvm-ffi`` (:func:`compile_options` adds it) and called with the torch
+  tensors themselves: the compiled function checks each argument against its fake tensor in C
+  (dtype, rank, symbolic / static extents, base-pointer alignment, device type; the strides of a
+  compact fake tensor are derived, not checked: a strided view is accepted, job eager7-01, so the
+  ops' spec validation stays the contiguity check) and raises a ``TypeError`` / ``ValueError``
+  naming the argument, instead of the DSL's per-call Python conversion (``from_dlpack`` +
+  ``mark_layout_dynamic`` per tensor, ``cutlass.Int32`` per scalar, argument packing). Providers
+  build tensor arguments with :func:`dl`, scalars with :func:`i32` / :func:`i64` / :func:`f32`
+  and launch with :func:`launch_on` / :func:`current_stream`, which follow the mode, so a
+  provider has no branch. H200 (jobs eager7-01..03): bit-exact with the DSL's own path,
+  graph-capturable, 2.5-4x less eager host time per DSL op (docs/benchmarks.md). The on-disk
+  cache holds TVM-FFI objects too (``export_to_c`` -> ``.o``, ``load_module(..., enable_tvm_ffi=True)``;
+  the mode is part of the key; the reload is checked on the CPU, tests/test_dsl_cache.py). Without ``tvm_ffi`` the DSL's own call path is used.
+  :func:`set_fast_call` switches (benchmarks: ``bench_eager.py --dsl-call dsl``, tests).
 """
 from __future__ import annotations
 
@@ -29,7 +44,8 @@ from dsv4.config import env_flag, env_str
 from dsv4.registry import Provider, Support
 
 __all__ = ["dsl_available", "compile_cached", "compile_options", "stats", "current_stream", "launch_on",
-           "dsl_target_support", "DslProvider"]
+           "dsl_target_support", "DslProvider", "dl", "i32", "i64", "f32", "fast_call", "set_fast_call",
+           "tvm_ffi_available"]
 
 _cache: dict[Hashable, Any] = {}
 _lock = threading.Lock()
@@ -98,9 +114,50 @@ def dsl_available() -> Support:
                        + _dsl_mismatch_note())
 
 
+@functools.lru_cache(maxsize=None)
+def tvm_ffi_available() -> Support:
+    """Can kernels be compiled for the TVM-FFI call path (``apache-tvm-ffi`` and the DSL's provider
+    for it import)? The reason names the version or the import error."""
+    try:
+        import tvm_ffi
+        import cutlass.cutlass_dsl.tvm_ffi_provider  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - not installed, or unusable: the DSL's own call path
+        return Support.no(f"tvm_ffi: {type(e).__name__}: {str(e)[:200]}")
+    return Support.yes(f"apache-tvm-ffi {getattr(tvm_ffi, '__version__', '?')}")
+
+
+#: None: not decided yet (first use: on when :func:`tvm_ffi_available` and :data:`FAST_CALL_DEFAULT`)
+_FAST: bool | None = None
+#: the default of :func:`fast_call` where tvm_ffi imports (on: validated on the H200, jobs eager7-01 / eager7-02:
+#: bit-exact with the DSL's own path, graph-capturable, the DSL providers' GPU tests pass)
+FAST_CALL_DEFAULT = True
+
+
+def fast_call() -> bool:
+    """Is the TVM-FFI call path on (kernels compiled with ``--enable-tvm-ffi``, torch tensors passed)?"""
+    global _FAST
+    if _FAST is None:
+        _FAST = FAST_CALL_DEFAULT and bool(tvm_ffi_available())
+    return _FAST
+
+
+def set_fast_call(on: bool | None) -> bool:
+    """Switch the call path (None: back to the default); returns the previous mode. Compiled kernels
+    are cached per mode, so switching is safe between launches (not while another thread launches)."""
+    global _FAST
+    prev = fast_call()
+    if on and not tvm_ffi_available():
+        raise RuntimeError(f"the TVM-FFI call path needs apache-tvm-ffi: {tvm_ffi_available().reason}")
+    _FAST = None if on is None else bool(on)
+    return prev
+
+
 def compile_options(arch: str, extra: str = "") -> str:
-    """Options string for ``cute.compile``; always names the arch."""
+    """Options string for ``cute.compile``; always names the arch; ``--enable-tvm-ffi`` when
+    :func:`fast_call` is on."""
     opt = f"--gpu-arch {arch}"
+    if fast_call():
+        opt += " --enable-tvm-ffi"
     env = env_str("DSV4_DSL_OPTIONS")
     if env:
         opt += " " + env
@@ -134,13 +191,13 @@ def _disk_name(key: Hashable) -> str:
     return "k" + hashlib.sha256((repr(key) + _sources_digest()).encode()).hexdigest()[:24]
 
 
-def _disk_load(name: str) -> Any | None:
+def _disk_load(name: str, fast: bool) -> Any | None:
     path = disk_cache_dir() / f"{name}.o"
     if not path.exists():
         return None
     try:
         from cutlass.cute.runtime import load_module
-        fn = load_module(str(path))[name]
+        fn = load_module(str(path), enable_tvm_ffi=True)[name] if fast else load_module(str(path))[name]
         _stats["disk_hits"] += 1
         return fn
     except Exception:  # noqa: BLE001 - a corrupt or stale entry: drop it and recompile
@@ -151,38 +208,53 @@ def _disk_load(name: str) -> Any | None:
         return None
 
 
-def _disk_store(name: str, compiled: Any) -> None:
+def _disk_store(name: str, compiled: Any, fast: bool) -> None:
     d = disk_cache_dir()
     try:
         d.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=d) as tmp:
-            compiled.export_to_c(tmp, name)
+            if fast:                     # the TVM-FFI export takes the object file's path
+                compiled.export_to_c(os.path.join(tmp, f"{name}.o"), name)
+            else:
+                compiled.export_to_c(tmp, name)
             os.replace(os.path.join(tmp, f"{name}.o"), d / f"{name}.o")
     except Exception:  # noqa: BLE001 - the disk cache is an optimization, never an error
         pass
 
 
+def _callable(compiled: Any) -> Any:
+    """The plain ``tvm_ffi.Function`` behind a TVM-FFI compiled kernel (the DSL's wrapper class adds
+    a Python kwargs layer per call), else the compiled kernel itself."""
+    get = getattr(compiled, "__tvm_ffi_object__", None)
+    fn = get() if get is not None else None
+    return fn if fn is not None else compiled
+
+
 def compile_cached(key: Hashable, build: Callable[[], Any], *, disk: bool = True) -> Any:
     """Return the compiled kernel for ``key``: from memory, else from the on-disk ``.o``
-    cache, else ``build()`` (which runs ``cute.compile``) once, then stored in both."""
-    fn = _cache.get(key)
+    cache, else ``build()`` (which runs ``cute.compile``) once, then stored in both.
+    Kernels are kept per call path (:func:`fast_call`): ``build`` compiles for the current one."""
+    fast = _FAST if _FAST is not None else fast_call()
+    ck = (key, fast)
+    fn = _cache.get(ck)
     if fn is not None:
         _stats["hits"] += 1
         return fn
     use_disk = disk and env_flag("DSV4_DSL_DISK_CACHE")
     with _lock:
-        fn = _cache.get(key)
+        fn = _cache.get(ck)
         if fn is None:
-            name = _disk_name(key) if use_disk else ""
-            fn = _disk_load(name) if use_disk else None
+            name = _disk_name((key, "tvm-ffi") if fast else key) if use_disk else ""
+            fn = _disk_load(name, fast) if use_disk else None
             if fn is None:
                 t0 = time.perf_counter()
-                fn = build()
+                compiled = build()
                 _stats["seconds"] += time.perf_counter() - t0
                 _stats["compiles"] += 1
                 if use_disk:
-                    _disk_store(name, fn)
-            _cache[key] = fn
+                    _disk_store(name, compiled, fast)
+                fn = _callable(compiled) if fast else compiled
+            _cache[ck] = fn
     return fn
 
 
@@ -192,10 +264,14 @@ def stats() -> dict:
 
 
 def current_stream():
-    """torch's current stream as a ``cuda.CUstream`` for DSL launches."""
-    import cuda.bindings.driver as cuda
+    """torch's current stream (current device) for DSL launches: its raw handle (an int) on the
+    TVM-FFI path, a ``cuda.CUstream`` on the DSL's own path."""
     import torch
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    h = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    if _FAST or (_FAST is None and fast_call()):
+        return h
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(h)
 
 
 def launch_on(device, fn, *args) -> None:
@@ -204,8 +280,12 @@ def launch_on(device, fn, *args) -> None:
     The DSL launches in the current CUDA context, so a tensor on another GPU than the current
     one is launched inside ``torch.cuda.device(device)``."""
     import torch
-    if device.index is None or device.index == torch.cuda.current_device():
-        fn(*args, current_stream())
+    cur = torch._C._cuda_getDevice()
+    if device.index is None or device.index == cur:
+        if _FAST:
+            fn(*args, torch._C._cuda_getCurrentRawStream(cur))
+        else:
+            fn(*args, current_stream())
     else:
         with torch.cuda.device(device):
             fn(*args, current_stream())
@@ -261,8 +341,64 @@ def compile_variants(label: str, variants: dict, dump_dir: str | None = None, ar
     return out
 
 
-def dl(t, align: int = 16):
-    """torch tensor -> CuTe tensor with a dynamic layout (unit stride in the last dim); ``align``:
-    the byte alignment the kernel may assume of its base pointer."""
+def i32(v):
+    """A scalar kernel argument of DSL type Int32: a Python int on the TVM-FFI path (the compiled
+    function checks and converts it in C; a ``cutlass.Int32`` costs microseconds to build), else
+    ``cutlass.Int32(v)``. :func:`i64` / :func:`f32` likewise."""
+    if _FAST or (_FAST is None and fast_call()):
+        return int(v)
+    from cutlass import Int32
+    return Int32(v)
+
+
+def i64(v):
+    if _FAST or (_FAST is None and fast_call()):
+        return int(v)
+    from cutlass import Int64
+    return Int64(v)
+
+
+def f32(v):
+    if _FAST or (_FAST is None and fast_call()):
+        return float(v)
+    from cutlass import Float32
+    return Float32(v)
+
+
+#: torch dtypes of the DSL element types a provider retypes a tensor to (``dl(..., dtype=...)``)
+_TORCH_OF = {"Float8E4M3FN": "float8_e4m3fn", "Float8E5M2": "float8_e5m2", "Float8E8M0FNU": "float8_e8m0fnu",
+             "Uint32": "uint32", "Int32": "int32", "Uint8": "uint8", "Int8": "int8", "BFloat16": "bfloat16",
+             "Float32": "float32", "Int64": "int64", "Uint64": "uint64", "Float16": "float16"}
+
+
+def dl(t, align: int = 16, dtype=None, layout: str = "dynamic"):
+    """A torch tensor as a kernel argument. ``align``: the byte alignment the kernel may assume of
+    its base pointer; ``dtype``: a DSL element type to reinterpret the bytes as (same width, e.g.
+    ``Float8E4M3FN`` for uint8 E4M3 bytes); ``layout``: what is runtime in the compiled kernel's
+    fake tensor: ``"dynamic"`` (shape and strides, unit stride in the last dim), ``"rows"`` (only the
+    extent of mode 0, compact), ``"static"`` (nothing).
+
+    TVM-FFI path: the torch tensor itself (retyped with ``Tensor.view``); the compiled function
+    checks it against its fake tensor (dtype, rank, extents, alignment, device). DSL path:
+    ``from_dlpack`` + marks."""
+    if _FAST or (_FAST is None and fast_call()):
+        if dtype is not None:
+            import torch
+            td = getattr(torch, _TORCH_OF[dtype.__name__])
+            if t.dtype != td:
+                t = t.view(td)
+        return t
     from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    if dtype is not None:
+        import torch
+        x = from_dlpack(t.view(torch.uint8) if t.element_size() == 1 else t, assumed_align=align)
+        x.element_type = dtype
+    else:
+        x = from_dlpack(t, assumed_align=align)
+    if layout == "dynamic":
+        return x.mark_layout_dynamic(leading_dim=t.dim() - 1)
+    if layout == "rows":
+        return x.mark_compact_shape_dynamic(mode=0)
+    if layout == "static":
+        return x
+    raise ValueError(f"dl: layout must be 'dynamic', 'rows' or 'static', got {layout!r}")

@@ -12,7 +12,10 @@ scalars (the ops validate every tensor before the launch); 16-byte loads go thro
 read-only path without L1 allocation and with an L2 eviction-priority policy
 (``createpolicy``); stores are ``st.global.v4`` / narrower. Shared memory is addressed by the
 32-bit shared-window address. Memory ops and ``shfl.sync`` carry ``has_side_effects`` (never
-merged, hoisted or sunk into a branch); pure arithmetic does not.
+merged, hoisted or sunk into a branch); pure arithmetic does not. The generic loads / stores /
+converts come from ``kernels_dsl/sm90/ptx.py`` (imported under the short names used here). Shared by
+the quantizers: the per-warp bulk-copy tile ring (``ring_*``: mbarrier + ``cp.async.bulk``) and the
+one staged-tile store loop (``store_staged``).
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ F32_QNAN = 0x7FFFFFFF
 ABS_INF = {"bfloat16": 0x7F80, "float16": 0x7C00}   # |half bits| >= this: Inf or NaN
 
 if _HAVE_DSL:
+
+    # the generic loads / stores / converts shared with the other sm_90a kernels (kernels_dsl/sm90/ptx.py)
+    from .sm90.ptx import (e4m3_byte_to_f32 as e4m3_to_f32, ld_global_nc_b32 as ld_nc_b32,  # noqa: F401
+                           ld_global_nc_f32 as ld_nc_f32, ld_shared_b32 as lds_b32,
+                           ld_shared_v4 as lds_v4, st_global_b32 as st_b32, st_global_f32 as st_f32,
+                           st_shared_b32 as sts_b32)
 
     def _v(x, ty, loc, ip):
         return ty(x).ir_value(loc=loc, ip=ip)
@@ -64,37 +73,10 @@ if _HAVE_DSL:
         return Int64(_asm(T.i64(), "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l", [], False, loc, ip))
 
     @dsl_user_op
-    def ld_nc_v4(addr, pol, *, loc=None, ip=None):
-        """16-byte read-only load ``ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32`` -> 4 Uint32."""
-        return _struct(4, "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], $5;",
-                       "=r,=r,=r,=r,l,l", [_v(addr, Int64, loc, ip), _v(pol, Int64, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
-    def ld_nc_v2(addr, *, loc=None, ip=None):
-        """8-byte read-only load (``ld.global.nc.L1::no_allocate.v2.u32``) -> 2 Uint32."""
-        return _struct(2, "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];", "=r,=r,l",
-                       [_v(addr, Int64, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
-    def ld_nc_b32(addr, *, loc=None, ip=None):
-        """4-byte read-only load -> Uint32."""
-        return _u32("ld.global.nc.b32 $0, [$1];", "=r,l", [_v(addr, Int64, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
-    def ld_nc_u8(addr, *, loc=None, ip=None):
-        """1-byte read-only load -> Uint32 (zero-extended)."""
-        return _u32("{\n.reg .b16 t;\nld.global.nc.u8 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,l",
-                    [_v(addr, Int64, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
     def st_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None):
         """16-byte global store ``st.global.v4.b32``."""
         _asm(None, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
              [_v(addr, Int64, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], True, loc, ip)
-
-    @dsl_user_op
-    def st_b32(addr, w, *, loc=None, ip=None):
-        _asm(None, "st.global.b32 [$0], $1;", "l,r", [_v(addr, Int64, loc, ip), _v(w, Uint32, loc, ip)], True, loc, ip)
 
     @dsl_user_op
     def st_u8(addr, w, *, loc=None, ip=None):
@@ -104,10 +86,6 @@ if _HAVE_DSL:
 
     # ---------------------------------------------------------------- shared memory
     @dsl_user_op
-    def sts_b32(addr, w, *, loc=None, ip=None):
-        _asm(None, "st.shared.b32 [$0], $1;", "r,r", [_v(addr, Int32, loc, ip), _v(w, Uint32, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
     def sts_v2(addr, w0, w1, *, loc=None, ip=None):
         _asm(None, "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r",
              [_v(addr, Int32, loc, ip), _v(w0, Uint32, loc, ip), _v(w1, Uint32, loc, ip)], True, loc, ip)
@@ -116,15 +94,6 @@ if _HAVE_DSL:
     def sts_u8(addr, w, *, loc=None, ip=None):
         _asm(None, "{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.shared.u8 [$0], t;\n}", "r,r",
              [_v(addr, Int32, loc, ip), _v(w, Uint32, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
-    def lds_v4(addr, *, loc=None, ip=None):
-        return _struct(4, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", [_v(addr, Int32, loc, ip)],
-                       True, loc, ip)
-
-    @dsl_user_op
-    def lds_b32(addr, *, loc=None, ip=None):
-        return _u32("ld.shared.b32 $0, [$1];", "=r,r", [_v(addr, Int32, loc, ip)], True, loc, ip)
 
     @dsl_user_op
     def lds_u8(addr, *, loc=None, ip=None):
@@ -230,12 +199,6 @@ if _HAVE_DSL:
                     [_v(lo, Float32, loc, ip), _v(hi, Float32, loc, ip)], loc=loc, ip=ip)
 
     @dsl_user_op
-    def e4m3_to_f32(b, *, loc=None, ip=None):
-        """E4M3 byte (low 8 bits of ``b``) -> fp32, exact (via f16)."""
-        return _f32("{\n.reg .b16 t, lo, hi;\n.reg .b32 p;\ncvt.u16.u32 t, $1;\ncvt.rn.f16x2.e4m3x2 p, t;\n"
-                    "mov.b32 {lo, hi}, p;\ncvt.f32.f16 $0, lo;\n}", "=f,r", [_v(b, Uint32, loc, ip)], loc, ip)
-
-    @dsl_user_op
     def e4m3x2_to_f32x2(u, *, loc=None, ip=None):
         """The two E4M3 bytes in the low 16 bits of ``u`` -> two fp32 (exact, via f16x2)."""
         r = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
@@ -244,16 +207,6 @@ if _HAVE_DSL:
                  [_v(u, Uint32, loc, ip)], False, loc, ip)
         return (Float32(llvm.extractvalue(T.f32(), r, [0], loc=loc, ip=ip)),
                 Float32(llvm.extractvalue(T.f32(), r, [1], loc=loc, ip=ip)))
-
-    @dsl_user_op
-    def div_rn_by(x, s, r, *, loc=None, ip=None):
-        """Correctly rounded ``x / s`` for ``s > 0`` given ``r = RN(1/s)`` (Markstein: ``q0 = x r``,
-        exact residual ``e = fma(-q0, s, x)``, ``RN(q0 + e r)``); the sign is taken from ``x`` (so
-        -0 stays -0). Finite ``x`` only (Inf gives NaN: the caller patches non-finite elements)."""
-        return _f32("{\n.reg .f32 q0, e, q;\n.reg .b32 qb, xb;\nmul.rn.f32 q0, $1, $3;\nneg.f32 e, q0;\n"
-                    "fma.rn.f32 e, e, $2, $1;\nfma.rn.f32 q, e, $3, q0;\nmov.b32 qb, q;\nmov.b32 xb, $1;\n"
-                    "and.b32 qb, qb, 0x7FFFFFFF;\nand.b32 xb, xb, 0x80000000;\nor.b32 qb, qb, xb;\nmov.b32 $0, qb;\n}",
-                    "=f,f,f,f", [_v(x, Float32, loc, ip), _v(s, Float32, loc, ip), _v(r, Float32, loc, ip)], loc, ip)
 
     @dsl_user_op
     def f32_to_bf16x2(lo, hi, *, loc=None, ip=None):
@@ -301,14 +254,6 @@ if _HAVE_DSL:
                        True, loc, ip)
 
     @dsl_user_op
-    def st_f32(addr, x, *, loc=None, ip=None):
-        _asm(None, "st.global.f32 [$0], $1;", "l,f", [_v(addr, Int64, loc, ip), _v(x, Float32, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
-    def ld_nc_f32(addr, *, loc=None, ip=None):
-        return _f32("ld.global.nc.f32 $0, [$1];", "=f,l", [_v(addr, Int64, loc, ip)], loc, ip)
-
-    @dsl_user_op
     def sts_b32_if(addr, w, pred, *, loc=None, ip=None):
         """``st.shared.b32`` predicated on ``pred != 0``."""
         _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.shared.b32 [$0], $1;\n}", "r,r,r",
@@ -320,6 +265,97 @@ if _HAVE_DSL:
         _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}",
              "l,r,r,r,r,r", [_v(addr, Int64, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)]
              + [_v(pred, Int32, loc, ip)], True, loc, ip)
+
+    # ---------------------------------------------------------------- bulk async copy (TMA, no tensor map)
+    @dsl_user_op
+    def mbar_init(addr, count: int, *, loc=None, ip=None):
+        """``mbarrier.init.shared::cta.b64`` of the 8-byte barrier at shared address ``addr``."""
+        _asm(None, "mbarrier.init.shared::cta.b64 [$0], " + str(int(count)) + ";", "r", [_v(addr, Int32, loc, ip)],
+             True, loc, ip)
+
+    @dsl_user_op
+    def fence_mbar_init(*, loc=None, ip=None):
+        """Make barrier initializations visible to the async proxy (before the first bulk copy)."""
+        _asm(None, "fence.mbarrier_init.release.cluster;", "", [], True, loc, ip)
+
+    @dsl_user_op
+    def fence_proxy_async(*, loc=None, ip=None):
+        """``fence.proxy.async.shared::cta``: order this thread's (and, after a warp barrier, the warp's)
+        generic shared-memory accesses before later async-proxy (bulk copy) accesses."""
+        _asm(None, "fence.proxy.async.shared::cta;", "", [], True, loc, ip)
+
+    @dsl_user_op
+    def bulk_load(dst, src, nbytes, mbar, pol, *, loc=None, ip=None):
+        """Arm ``mbar`` with ``nbytes`` (``mbarrier.arrive.expect_tx``) and start one bulk copy of ``nbytes``
+        (multiple of 16, 16-byte aligned) from global ``src`` to shared ``dst`` that completes on ``mbar``
+        (``cp.async.bulk...mbarrier::complete_tx::bytes``, L2 policy ``pol``). One thread issues it."""
+        _asm(None, "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$3], $2;\n"
+                   "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [$0], [$1], $2, [$3], $4;",
+             "r,l,r,r,l", [_v(dst, Int32, loc, ip), _v(src, Int64, loc, ip), _v(nbytes, Int32, loc, ip),
+                           _v(mbar, Int32, loc, ip), _v(pol, Int64, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def mbar_wait(mbar, parity, *, loc=None, ip=None):
+        """Spin until the barrier's phase with ``parity`` has completed (``mbarrier.try_wait.parity``)."""
+        _asm(None, "{\n.reg .pred p;\nWAIT_LOOP:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+                   "@!p bra WAIT_LOOP;\n}", "r,r", [_v(mbar, Int32, loc, ip), _v(parity, Int32, loc, ip)], True, loc, ip)
+
+    def store_staged(dst, sd, lane, tile_bytes: int, full, valid_words):
+        """Copy a warp's staged output tile (``tile_bytes`` at shared ``sd``) to global ``dst``: 16-byte
+        stores (512 contiguous bytes per warp instruction) when the tile is full and a multiple of 512
+        bytes, else 4-byte stores of its first ``valid_words`` words (128 contiguous bytes per warp
+        instruction). The one store loop of the quantizers (codes of quantize_fp4.py, E4M3 bytes of
+        quantize_fp8.py)."""
+        return _store_staged(dst, sd, lane, tile_bytes, full, valid_words)
+
+    # A warp's ring of ``P`` warp tiles (``tb`` bytes each) in shared memory, filled by bulk copies that
+    # lane 0 issues (one mbarrier per slot): the warp's ``i``-th tile lives in slot ``i % P``;
+    # :func:`ring_read` waits for it and loads lane ``l``'s ``qj`` 16-byte chunks ``32 j + l``, then the
+    # caller refills the slot with tile ``i + P`` (:func:`ring_issue`), so ``P`` tiles stay in flight
+    # while the warp computes, whatever its register budget. The control flow (``if lane == 0``) stays in
+    # the kernel body; these functions are straight-line. A ring is the pair (buf, bar) of shared addresses.
+    def ring_alloc(alloc, warps: int, warp, P: int, tb: int):
+        import cutlass.cute as cute
+        ring = alloc.allocate_tensor(Uint32, cute.make_layout(warps * P * tb // 4), byte_alignment=128)
+        bars = alloc.allocate_tensor(Int64, cute.make_layout(warps * P), byte_alignment=8)
+        return ring.iterator.toint() + warp * (P * tb), bars.iterator.toint() + warp * (P * 8)
+
+    def ring_init(bar, P: int):
+        """(lane 0) initialize the slot barriers."""
+        for s in range(P):
+            mbar_init(bar + 8 * s, 1)
+        fence_mbar_init()
+
+    def ring_issue(buf, bar, tb: int, slot, src, nbytes, pol):
+        """(lane 0, after a ``bar.warp.sync`` that follows the warp's reads of the slot) bulk-copy ``nbytes``
+        from global ``src`` into ring slot ``slot``; the proxy fence orders those generic-proxy reads
+        before the async-proxy writes (write-after-read)."""
+        fence_proxy_async()
+        bulk_load(buf + slot * tb, src, nbytes, bar + 8 * slot, pol)
+
+    def ring_read(buf, bar, P: int, tb: int, i, lane, qj: int):
+        """Wait for the warp's tile ``i``; (its slot, lane's ``qj`` chunks)."""
+        slot = Int32(i % P)
+        mbar_wait(bar + 8 * slot, Int32((i // P) % 2))
+        base = buf + slot * tb
+        return slot, [lds_v4(base + ((32 * j) + lane) * 16) for j in range(qj)]
+
+    @dsl_user_op
+    def vote_any(pred, *, loc=None, ip=None):
+        """1 if ``pred != 0`` in any lane of the (converged) warp, else 0 (``vote.sync.any.pred``)."""
+        return _u32("{\n.reg .pred p, q;\nsetp.ne.b32 p, $1, 0;\nvote.sync.any.pred q, p, 0xffffffff;\n"
+                    "selp.u32 $0, 1, 0, q;\n}", "=r,r", [_v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def div_rn_by3(x, s, r, *, loc=None, ip=None):
+        """Correctly rounded ``x / s`` for finite ``s > 0`` given ``r = RN(1/s)`` (Markstein), 3
+        instructions: ``q0 = RN(x r)``, ``t = RN(q0 s - x)`` (the exact residual, negated: RN is
+        odd-symmetric), ``q = RN(q0 - t r)``. The sign of a zero result comes out right without a
+        sign fix: ``x = -0`` gives ``t = +0``, ``q = -0 - 0 = -0`` (``q0 != 0`` for ``x != 0`` at the
+        quantizer's ``s >= 1e-4/448``). Finite ``x`` only: the caller patches non-finite elements."""
+        return _f32("{\n.reg .f32 q0, t;\nmul.rn.f32 q0, $1, $3;\nneg.f32 t, $1;\nfma.rn.f32 t, q0, $2, t;\n"
+                    "neg.f32 t, t;\nfma.rn.f32 $0, t, $3, q0;\n}",
+                    "=f,f,f,f", [_v(x, Float32, loc, ip), _v(s, Float32, loc, ip), _v(r, Float32, loc, ip)], loc, ip)
 
     @dsl_user_op
     def ld_nc_v2_if(addr, pred, *, loc=None, ip=None):
@@ -380,13 +416,6 @@ if _HAVE_DSL:
                            _v(last, Uint32, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
 
     @dsl_user_op
-    def ld_nc_v4_if_nohint(addr, pred, *, loc=None, ip=None):
-        """:func:`ld_nc_v4_if` without the L2 cache-policy operand (plain ``ld.global.nc.L1::no_allocate.v4``)."""
-        return _struct(4, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
-                          "mov.b32 $3, 0;\n@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
-                       "=r,=r,=r,=r,l,r", [_v(addr, Int64, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
     def ld_nc_v4_if_any(addr, pol, pred, hint: bool = True, *, loc=None, ip=None):
         """:func:`ld_nc_v4_if` WITHOUT zeroing: for ``pred == 0`` the result is undefined. For
         loads whose out-of-range lanes feed only values that are never stored (whole scale blocks
@@ -399,3 +428,22 @@ if _HAVE_DSL:
         return _struct(4, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, "
                           "[$4];\n}", "=r,=r,=r,=r,l,r", [_v(addr, Int64, loc, ip), _v(pred, Int32, loc, ip)],
                        True, loc, ip)
+
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.jit
+    def _store_staged(dst, sd, lane, tile_bytes: cutlass.Constexpr, full, valid_words):
+        if cutlass.const_expr(tile_bytes % 512 == 0):
+            if full:
+                for iv in cutlass.range_constexpr(tile_bytes // 512):
+                    qv = lds_v4(sd + (32 * iv + lane) * 16)
+                    st_v4(dst + Int64(32 * iv + lane) * 16, qv[0], qv[1], qv[2], qv[3])
+            else:
+                for iw in cutlass.range_constexpr(tile_bytes // 128):
+                    if Int64(32 * iw + lane) < valid_words:
+                        st_b32(dst + Int64(32 * iw + lane) * 4, lds_b32(sd + (32 * iw + lane) * 4))
+        else:
+            for iw in cutlass.range_constexpr(tile_bytes // 128):
+                if Int64(32 * iw + lane) < valid_words:
+                    st_b32(dst + Int64(32 * iw + lane) * 4, lds_b32(sd + (32 * iw + lane) * 4))

@@ -41,6 +41,7 @@ from dsv4.registry import Support
 
 from ._compile import (DslProvider, compile_cached, compile_options, compile_variants, dl, dsl_target_support,
                        launch_on)
+from ._compile import i32 as _i32, i64 as _i64   # (i32 / i64 are local names below)
 
 try:  # the DSL is optional at import time: the provider then reports "unavailable"
     import cuda.bindings.driver as cuda
@@ -384,9 +385,9 @@ class DslAttnLists(DslProvider):
                 _dl(wl, 16), ent_t, lens_t, bt_t,
                 None if kind == "swa" else _dl(cs.view(-1) if K else dummy, 16),
                 None if kind == "swa" else _dl(cl, 16),
-                Int32(window), Int64(ring), Int64(first_scalar), Int64(swa_block_size), Int64(_pages(swa_num_blocks)),
-                Int32(swa_rows), Int32(K), Int64(block_size), Int64(_pages(num_blocks)), Int32(rows), Int64(ratio),
-                Int32(n_a), Int32(n_b), Int32(n_c), Int32(n_blk))
+                _i32(window), _i64(ring), _i64(first_scalar), _i64(swa_block_size), _i64(_pages(swa_num_blocks)),
+                _i32(swa_rows), _i32(K), _i64(block_size), _i64(_pages(num_blocks)), _i32(rows), _i64(ratio),
+                _i32(n_a), _i32(n_b), _i32(n_c), _i32(n_blk))
         launch_on(dev, fn, *args)
         return ws, wl, cs, cl
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, compile_options, launch_on
+from ._compile import DslProvider, compile_cached, compile_options, dl, i32, launch_on
 
 try:  # the DSL is optional at import time: the provider then reports "unavailable"
     import cuda.bindings.driver as cuda
@@ -292,7 +292,6 @@ class DslDequantFp4(DslProvider):
 
     def run(self, problem, *, data, scale, global_scale):
         import torch
-        from cutlass.cute.runtime import from_dlpack
 
         from dsv4.ops._common import str_dtype
         from dsv4.target import Target
@@ -306,14 +305,10 @@ class DslDequantFp4(DslProvider):
         cfg = _config()
         fn = compile_cached(("dequant_fp4", fmt, out_name, arch, cfg),
                             lambda: _compile(fmt, out_name, arch, config=cfg))
-        g = None
-        if fmt == "nvfp4":
-            g = from_dlpack(global_scale, assumed_align=4)  # static [1], like the fake tensor
-        args = (from_dlpack(data, assumed_align=16).mark_layout_dynamic(leading_dim=1),
-                from_dlpack(scale.view(torch.uint8), assumed_align=_SCALE_ALIGN[fmt]).mark_layout_dynamic(leading_dim=1),
-                from_dlpack(out, assumed_align=16).mark_layout_dynamic(leading_dim=1), g)
+        g = dl(global_scale, 4, layout="static") if fmt == "nvfp4" else None   # static [1], like the fake
+        args = (dl(data, 16), dl(scale.view(torch.uint8), _SCALE_ALIGN[fmt]), dl(out, 16), g)
         max_ctas = target.sm_count * cfg.ctas_per_sm if cfg.ctas_per_sm > 0 else 2 ** 31 - 1
-        launch_on(data.device, fn, *args, Int32(max_ctas))
+        launch_on(data.device, fn, *args, i32(max_ctas))
         return out
 
 

@@ -41,7 +41,7 @@ import os
 import tempfile
 from typing import Optional
 
-from ._compile import compile_cached, compile_options, dsl_available, launch_on
+from ._compile import compile_cached, compile_options, dl, dsl_available, i32, launch_on
 
 try:  # the DSL is optional at import time
     import cuda.bindings.driver as cuda
@@ -434,7 +434,6 @@ def _prepare(a, b, out_dtype, out, tile_n, num_ctas, cluster_m, epilogue):
     if not ok:
         raise RuntimeError(f"fp8_gemm needs the CuTe DSL: {ok.reason}")
 
-    from cutlass.cute.runtime import from_dlpack
     from dsv4.target import Target
     arch = Target.of(a.device).arch
     if arch != "sm_90a":
@@ -444,17 +443,13 @@ def _prepare(a, b, out_dtype, out, tile_n, num_ctas, cluster_m, epilogue):
         out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     tiles = (M // TILE_M) * (N // tile_n)
     if num_ctas is None:
-        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        sms = Target.of(a.device).sm_count
         num_ctas = sms - sms % cluster_m
     num_ctas = min(num_ctas, tiles)
     fn = compile_cached(("fp8_gemm", out_name, tile_n, cluster_m, epilogue, arch),
                         lambda: _compile(out_name, tile_n, arch, cluster_m=cluster_m, epilogue=epilogue))
 
-    def fp8(t):
-        x = from_dlpack(t.view(torch.uint8), assumed_align=16)
-        x.element_type = Float8E4M3FN
-        return x.mark_layout_dynamic(leading_dim=1)
-    args = (fp8(a), fp8(b), from_dlpack(out, assumed_align=16).mark_layout_dynamic(leading_dim=1), Int32(num_ctas))
+    args = (dl(a, 16, Float8E4M3FN), dl(b, 16, Float8E4M3FN), dl(out, 16), i32(num_ctas))
     dev = a.device
 
     def launch():

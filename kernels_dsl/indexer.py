@@ -3,23 +3,20 @@
 * ``indexer_logits_paged`` (decode): :class:`kernels_dsl.indexer_paged.PagedLogitsKernel` --
   persistent, device-side balanced schedule, bulk-copied pages, FP4 -> FP8 transform, FP8
   WGMMA, ReLU x w head-sum epilogue. MXFP4 and FP8 keys, next_n 1..4.
-  Validated on the H200 (issue 13, GPU job idx-03: every format x next_n, block_size 128, one-hot
-  decode exact, graph capture; the contract numbers in docs/benchmarks.md).
 * ``indexer_logits`` (prefill, MXFP4, FP8 and NVFP4 keys): :class:`kernels_dsl.indexer_prefill.PrefillLogitsKernel`
   -- persistent WGMMA over TMA-loaded key tiles shared by four math warpgroups (8 queries per
   tile). MXFP4 keys / queries first go through :class:`kernels_dsl.indexer_fp8_rows.Fp8RowsKernel`
   (the same exponent fold, once per row) and run on E4M3 operands (exact products); FP8 keys are
   widened exactly to BF16 and run on BF16 operands with full FP32 accumulation (the E4M3-operand
-  FP8 WGMMA keeps ~14 accumulator bits: 2.28e-3 x the row max on a short-row case, outside the 2e-3
-  contract -- exactly what DeepGEMM's ``fp8_mqa_logits`` gives on the same bytes, job idx-15).
-  Validated on the H200: MXFP4 jobs idx-11 / idx-12 (contract, recall gate (b), attention cosine
-  gate (c), graph capture); FP8 job idx-14 (``pytest -m gpu tests/test_indexer_dsl.py -k prefill``:
-  3.0e-7 / 3.3e-7 x row max vs fp64, 3160 us at 8192 x 16384 causal vs 7090 us for the exact CUDA
-  kernel, DeepGEMM FP8 1834 us, job idx-15); NVFP4 (BF16 operands after ``dequant_fp4``) job lead-38.
+  FP8 WGMMA keeps ~14 accumulator bits and leaves the 2e-3 contract on short rows, exactly as
+  DeepGEMM's ``fp8_mqa_logits`` does on the same bytes); NVFP4 keys on BF16 operands after
+  ``dequant_fp4``.
 * ``indexer_topk_paged`` (decode selection): :class:`DslTopkPagedFused` -- where the batch gives the
-  select kernel >= 4 CTAs per row (B * next_n <= 33, next_n <= 2), the decode logits kernel with a selection-
+  select kernel 16 CTAs per row (B * next_n <= 8 at >= 32768 entries, next_n <= 2), the decode logits kernel with a selection-
   histogram epilogue, then ``topk_select_kernel`` (kernels_cuda/topk.cu, no histogram pass); else the
-  logits kernel, then the ``topk`` op. Bitwise the two ops in sequence (jobs fused-01 / fused-02).
+  logits kernel, then the ``topk`` op. Bitwise the two ops in sequence.
+
+GPU validation runs, precision and timings of every path: docs/benchmarks.md ("Lightning Indexer").
 
 NVFP4 keys: an E2M1 x E4M3-scale product needs up to 6 significand bits and is not an E4M3
 value, so NVFP4 has no exact FP8 operand (rounding it to E4M3 would break the precision contract,
@@ -43,7 +40,7 @@ from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, compile_options, dl, dsl_target_support, launch_on
+from ._compile import DslProvider, compile_cached, compile_options, dl, dsl_target_support, i32, launch_on
 
 __all__ = ["PagedConfig", "paged_config", "paged_smem_bytes", "DslPagedLogits", "DslLogits", "prefill_logits_dsl",
            "DslTopkPagedFused", "hist_config", "FUSED_MIN_SPLITS", "PREFILL_FORMATS", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
@@ -165,8 +162,8 @@ def _aligned(t, align: int = 16):
 
 
 def _sm_count(device) -> int:
-    import torch
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    from dsv4.target import Target
+    return Target.of(device).sm_count           # memoized per device (get_device_properties costs us per call)
 
 
 class _DslBase(DslProvider):
@@ -199,9 +196,12 @@ class DslPagedLogits(_DslBase):
             return Support.no(f"dsl: next_n {problem['next_n']} outside 1..4")
         return Support.yes("sm_90a, MXFP4 / FP8 keys, block_size % 64 == 0, next_n 1..4")
 
+    def config(self, problem, target=None):
+        """The :class:`PagedConfig` ``run`` launches (:func:`paged_config`)."""
+        return paged_config(problem["fmt"], problem["next_n"])
+
     def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
         import torch
-        from cutlass import Int32
 
         from dsv4.target import Target
         fmt = problem["fmt"]
@@ -226,7 +226,7 @@ class DslPagedLogits(_DslBase):
         t = dl
         grid = cfg.ctas_per_sm * _sm_count(q_data.device)
         args = (t(qd, 16), t(qs, 16), t(wv, 16), t(cv, 16), t(lv, 4), t(btv, 4), t(out, 4), t(lv, 4),
-                Int32(B), Int32(nb), Int32(bs), Int32(max_ctx), Int32(grid))
+                i32(B), i32(nb), i32(bs), i32(max_ctx), i32(grid))
         launch_on(q_data.device, fn, *args)
         return out
 
@@ -248,8 +248,7 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
     (operand conversion of q and K, then the GEMM kernel); no host sync, graph-capturable.
     """
     import torch
-    from cutlass import Float8E4M3FN, Int32
-    from cutlass.cute.runtime import from_dlpack
+    from cutlass import Float8E4M3FN
 
     from dsv4.target import Target
 
@@ -293,17 +292,14 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
     fn = compile_cached(("indexer_prefill", has_qs, operand, arch), lambda: compile_prefill(has_qs, arch, "", operand))
 
     def opnd(x):
-        t = from_dlpack(x, assumed_align=16)
-        if operand == "e4m3":
-            t.element_type = Float8E4M3FN
-        return t.mark_layout_dynamic(leading_dim=1)
+        return dl(x, 16, Float8E4M3FN if operand == "e4m3" else None)
 
     t = dl
     wv = _aligned(w)
     units = -(-T // QUNIT)
     grid = min(units, _sm_count(q_data.device))
     args = (opnd(qa), opnd(ka), t(ksc, 16), t(wv, 16), t(qsc if has_qs else wv, 16), t(ks.contiguous(), 4),
-            t(ke.contiguous(), 4), t(out, 4), Int32(grid))
+            t(ke.contiguous(), 4), t(out, 4), i32(grid))
     launch_on(q_data.device, fn, *args)
     return out
 
@@ -365,12 +361,14 @@ def compile_hist_check(dump_dir: Optional[str] = None, arch: str = "sm_90a", var
 
 
 #: the fused path runs when ``topk_select_kernel`` gets at least this many CTAs per row
-#: (kernels_cuda.topk.select_splits: B * next_n <= 33 on 132 SMs at >= 8192 entries). Measured on the
-#: H200 (job fused-03, k = 512, x = time / logits alone): B=32 x 32768 MXFP4 fused 1.62x vs composed
-#: 1.80x, FP8 1.49x vs 1.78x, B=16 next_n 2 1.72x vs 1.95x; with fewer CTAs per row the select kernel is
-#: slower than the topk op: B=128 (1 CTA per row) fused 1.32x vs composed 1.25x, uneven B=64 (2 per
-#: row) 1.61x vs 1.50x -- those batches take the composed path.
-FUSED_MIN_SPLITS = 4
+#: (kernels_cuda.topk.select_splits: 16 = B * next_n <= 8 on 132 SMs at >= 32768 entries). Re-timed
+#: against the issue-15 topk.cu (H200, job topk7-02, MXFP4 next_n 1 x 32768 entries, k 512, us,
+#: composed vs fused at the select kernel's default splits): B=8 28.5 vs 28.6 (16 splits), B=16 37.7 vs
+#: 40.1 (8), B=32 56.0 vs 60.0 (4), B=48 73.7 vs 82.5 (2), B=64 91.8 vs 103.0 (2), B=128 174.8 vs 188.6
+#: (1): the faster topk op made the composed path win below 16 splits (before, job fused-03: fused won
+#: at B=32); at 16 they are on par. The fused path is kept only there; it must win somewhere again (the
+#: selection inside the logits kernel, docs/status.md) or be deleted.
+FUSED_MIN_SPLITS = 16
 
 
 class DslTopkPagedFused(DslPagedLogits):
@@ -393,18 +391,13 @@ class DslTopkPagedFused(DslPagedLogits):
     equals the torch bucket histogram; ``pytest -m gpu tests/test_indexer_topk_paged.py``: 8 passed in
     fused-03). No host sync, graph-capturable.
 
-    Measured (H200, CUDA-graph replay, k 512, job fused-03): B=32 x 32768 MXFP4 next_n 1: logits 39.3 us,
-    composed 70.7, this op 63.9 (1.63x logits; the issue's target 1.15x is MISSED); FP8 keys 40.2 / 71.7
-    / 59.8 (1.49x). Where the time goes (job fused-02, logits then 43.6 us): the histogram epilogue
-    +3.0 us, the memset +1.4 us, the select kernel ~19 us, of it standalone 6.9 us to the end of its
-    candidate pass, 9.0 to the ticket, 16.6 with the last CTA's refine + sort + write (latency chains,
-    not bandwidth: more CTAs per row did not help). Measured and dropped: sorting all candidates instead
-    of refining (+1.1 us at k 512, +7 us at k 1024), a PDL launch of the select kernel (no gain), a
-    persistent self-cleaning workspace instead of the memset (-1.0 us, but unsafe for concurrent streams).
+    Timings, where the time goes and the variants measured and dropped: docs/benchmarks.md
+    ("``indexer_topk_paged`` fused decode selection"). ``config``: the logits kernel's
+    :class:`PagedConfig` depends on the path, which depends on the batch; ``run`` records it.
     """
 
     describe = ("DSL PagedLogitsKernel + bucket-histogram epilogue -> topk_select_kernel (CUDA: no histogram pass, "
-                ">= 4 CTAs per row, last CTA per row sorts); else logits kernel + topk op; no host sync")
+                ">= 16 CTAs per row, last CTA per row sorts); else logits kernel + topk op; no host sync")
 
     def supports(self, problem, target):
         s = super().supports(problem, target)
@@ -413,6 +406,9 @@ class DslTopkPagedFused(DslPagedLogits):
         if not 1 <= problem["k"] <= 2048:
             return Support.no(f"dsl: k={problem['k']} outside 1..2048")
         return Support.yes("sm_90a, MXFP4 / FP8 keys: logits kernel (+ selection histogram) + select kernel")
+
+    def config(self, problem, target=None):
+        return None        # path-dependent (fused or composed): recorded by run()
 
     def use_fused(self, rows: int, max_ctx: int, device, next_n: int = 1) -> bool:
         """The fused path for ``rows`` logit rows of ``max_ctx`` columns (:data:`FUSED_MIN_SPLITS`),
@@ -437,7 +433,6 @@ class DslTopkPagedFused(DslPagedLogits):
         """``fused`` / ``splits`` / ``threads``: force a path / the select kernel's CTAs per row and
         block size (tests, bench); default: :meth:`use_fused`, ``select_splits``, 512."""
         import torch
-        from cutlass import Int32
 
         from dsv4.target import Target
         from kernels_cuda.topk import select_workspace, topk_select_cuda
@@ -451,6 +446,7 @@ class DslTopkPagedFused(DslPagedLogits):
         if fused is None:
             fused = B > 0 and self.use_fused(rows, max_ctx, dev, nn)
         if not fused or B == 0 or max_ctx % 4:
+            self.op.record_config(paged_config(fmt, nn))
             return self.run_composed(problem, **kw)
         out = torch.empty((rows, max_ctx), dtype=torch.float32, device=dev)
         ws = select_workspace(rows, dev)
@@ -460,6 +456,7 @@ class DslTopkPagedFused(DslPagedLogits):
             out.fill_(float("-inf"))
         else:
             cfg = hist_config(fmt, nn)
+            self.op.record_config(cfg)
             arch = Target.of(dev).arch
             fn = compile_cached(("indexer_paged_hist", cfg, arch), lambda: _compile_paged(cfg, arch, hist=True))
             qd = _aligned(q_data).view(-1)
@@ -468,7 +465,7 @@ class DslTopkPagedFused(DslPagedLogits):
             grid = cfg.ctas_per_sm * _sm_count(dev)
             args = (t(qd, 16), t(qs, 16), t(_aligned(w).view(-1), 16), t(_aligned(cache).view(nb, -1), 16), t(lv, 4),
                     t(block_table.contiguous(), 4), t(out, 4), t(ws, 4),
-                    Int32(B), Int32(nb), Int32(bs), Int32(max_ctx), Int32(grid))
+                    i32(B), i32(nb), i32(bs), i32(max_ctx), i32(grid))
             launch_on(dev, fn, *args)
         mapped = problem["mapped"]
         return topk_select_cuda(out, lv, ws, k, block_table if mapped else None, bs if mapped else 0, nn,
@@ -477,3 +474,7 @@ class DslTopkPagedFused(DslPagedLogits):
 
 PROVIDERS = {"indexer_logits_paged": DslPagedLogits, "indexer_logits": DslLogits,
              "indexer_topk_paged": DslTopkPagedFused}
+# the quantizers (indexer_cache_write, indexer_q_quant) live in kernels_dsl/indexer_quant.py
+from .indexer_quant import PROVIDERS as _QUANT_PROVIDERS  # noqa: E402
+
+PROVIDERS.update(_QUANT_PROVIDERS)

@@ -120,11 +120,9 @@ def mxfp4_rows_to_fp8(vals, sf):
     """torch uint8 ``[rows, 64]`` + ``[rows, 4]`` (CUDA) -> (uint8 ``[rows, 128]`` E4M3 bytes,
     fp32 ``[rows]`` scales) with the fold of the module docstring. One launch."""
     import torch
-    from cutlass.cute.runtime import from_dlpack
-
     from dsv4.target import Target
 
-    from ._compile import compile_cached, current_stream
+    from ._compile import compile_cached, current_stream, dl
     rows = vals.shape[0]
     out = torch.empty((rows, 128), dtype=torch.uint8, device=vals.device)
     scale = torch.empty((rows,), dtype=torch.float32, device=vals.device)
@@ -138,8 +136,7 @@ def mxfp4_rows_to_fp8(vals, sf):
         sf = sf.clone()
     arch = Target.of(vals.device).arch
     fn = compile_cached(("indexer_fp8_rows", arch), lambda: compile_rows(arch))
-    def rows_dynamic(t, align):    # only the row count is symbolic in the compiled kernel
-        return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0)
-    fn(rows_dynamic(vals, 16), rows_dynamic(sf, 4), rows_dynamic(out, 16),
-       from_dlpack(scale, assumed_align=4).mark_layout_dynamic(leading_dim=0), current_stream())
+    # only the row count is symbolic in the compiled kernel
+    fn(dl(vals, 16, layout="rows"), dl(sf, 4, layout="rows"), dl(out, 16, layout="rows"), dl(scale, 4),
+       current_stream())
     return out, scale

@@ -454,9 +454,13 @@ if _HAVE_DSL:
             cute.arch.sync_threads()
 
             if warp == 4:
-                # ======================= producer warp =======================
                 self.schedule(mLens, B, max_ctx, sched)
-                ptx.named_barrier(BAR_ALL, THREADS)
+                cute.arch.sync_warp()             # reconverge after schedule()'s lane-0 stores
+            # schedule published: ONE bar.sync instruction for all 160 threads (an aligned barrier reached from
+            # two code paths is what compute-sanitizer synccheck reports as divergent threads in the block)
+            ptx.named_barrier(BAR_ALL, THREADS)
+            if warp == 4:
+                # ======================= producer warp =======================
                 b = Int32(ptx.ld_shared_u32(sched + 0))
                 t = Int32(ptx.ld_shared_u32(sched + 4))
                 count = Int32(ptx.ld_shared_u32(sched + 8))
@@ -526,7 +530,6 @@ if _HAVE_DSL:
                                 b = b + 1
             else:
                 # ======================= math warpgroup =======================
-                ptx.named_barrier(BAR_ALL, THREADS)
                 b = Int32(ptx.ld_shared_u32(sched + 0))
                 t = Int32(ptx.ld_shared_u32(sched + 4))
                 count = Int32(ptx.ld_shared_u32(sched + 8))
@@ -704,6 +707,7 @@ if _HAVE_DSL:
             the entries the topk op would count. Math warpgroup only; the barrier orders every
             thread's shared adds before the reads; the next sequence's adds follow q_switch's barrier."""
             mHist, hsp = hctx
+            cute.arch.sync_warp()                 # reconverge after the lane-divergent logit stores (aligned bar.sync)
             ptx.named_barrier(BAR_MATH, MATH_THREADS)
             g0 = mHist.iterator.toint() + Int64(b) * Int64(self.nn * tptx.NBINS * 4)
             for j in cutlass.range_constexpr(self.nn * tptx.NBINS // MATH_THREADS):
@@ -721,6 +725,7 @@ if _HAVE_DSL:
             ptx.mbar_wait(qfull, qphase)
             self.convert_q(qraw, b0p, swp, tidx)
             ptx.fence_proxy_async()
+            cute.arch.sync_warp()                 # reconverge after convert_q (aligned bar.sync)
             ptx.named_barrier(BAR_MATH, MATH_THREADS)
             cute.arch.sync_warp()
             if lane == 0:

@@ -32,13 +32,9 @@ Kernel structure (own code; DeepGEMM ``sm90_fp8_mqa_logits`` is the peer):
   three warpgroups keep the tensor core busy. Columns of the unit's rows outside the tiles it
   computes are written -inf (the op's full [T, S] contract, no second pass).
 
-Measured on the H200 (jobs idx-11 / idx-12, 2026-12-01; 8192 x 16384 causal, CUDA-graph replays):
-FP8 1938 us (1064 TFLOP/s), MXFP4 1956 us incl. the row conversion (32 us); the previous
-2-warpgroup x 2-accumulator version of this file: 2178 / 2147 us, bitwise the same logits.
-Precision vs fp64 on the same values: MXFP4 <= 4.5e-7 x the row max; FP8 keys through the E4M3
-variant up to 2.28e-3 x the row max on short rows (the FP8 WGMMA's ~14-bit accumulation), hence the
-BF16 variant for them (validated on the H200, job idx-14: <= 3.3e-7; 3160 us at 8192 x 16384 causal,
-job idx-15; NVFP4 keys on the same variant after dequant_fp4, job lead-38).
+Timings and precision (MXFP4 <= 4.5e-7 x the row max vs fp64; FP8 keys on the E4M3 variant up to
+2.28e-3 on short rows, hence the BF16 variant for them): docs/benchmarks.md ("Lightning Indexer ...
+prefill").
 
 Constraints: 16-byte aligned q / k / key-scale base pointers (TMA); S, T any.
 """

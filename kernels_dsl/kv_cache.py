@@ -41,7 +41,7 @@ from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, compile_options, compile_variants, launch_on
+from ._compile import DslProvider, compile_cached, compile_options, compile_variants, i32, i64, launch_on
 
 try:  # the DSL is optional at import time: the provider then reports "unavailable"
     import cuda.bindings.driver as cuda
@@ -80,16 +80,17 @@ class KvAppendConfig:
 class KvGatherConfig:
     """``rows`` output rows per warp (resolved by lanes 0..rows-1), loaded ``group`` at a time;
     ``l2_prefetch`` (0, 64, 128, 256): ``.L2::<n>B`` prefetch size of the cache row loads."""
-    rows: int = 8
+    rows: int = 4
     group: int = 2
     threads: int = 128
     l2_prefetch: int = 0
 
 
-#: defaults = the measured winners (H200, 2026-12-01, job mem2-01, CUDA-graph replay): append prefill
-#: 32k tokens, random slots: 1 / 2 / 4 tokens per warp 18.3 / 18.7 / 19.1 us; gather decode B=128
-#: (128 + 512 rows): (rows, group) (8, 2) 39.5 us, (16, 4) 41.0, (32, 4) 41.0, (32, 8) 39.9; prefill
-#: 8 x (128 + 8192): 30.4 / 30.4 / 30.6 / 30.7 us.
+#: defaults = the measured winners (H200, 2026-12-01, CUDA-graph replay): append prefill 32k tokens,
+#: random slots: 1 / 2 / 4 tokens per warp 18.3 / 18.7 / 19.1 us (job mem2-01); gather decode B=128
+#: (128 + 512 rows): (rows, group) (8, 2) 39.5 us, (16, 4) 41.0, (32, 4) 41.0, (32, 8) 39.9 (mem2-01),
+#: (4, 2) 37.6 (82.5% of copy BW, mem2-02); prefill 8 x (128 + 8192): 30.4 / 30.4 / 30.6 / 30.7, (4, 2) 28.2
+#: (89.6%). (4, 2) as the default, job mem7-01: decode 37.0 us (83.9%), prefill 28.2 (89.4%); GPU gather tests passed.
 DEFAULT_APPEND = KvAppendConfig()
 DEFAULT_GATHER = KvGatherConfig()
 #: benchmark hook ({"append": KvAppendConfig(..), "gather": KvGatherConfig(..)}); empty in production
@@ -502,10 +503,8 @@ def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a", only=Non
 def _u32(t, align: int = 16):
     """torch tensor (any dtype, contiguous) -> flat CuTe Uint32 tensor over its bytes."""
     import torch
-    from cutlass.cute.runtime import from_dlpack
-    x = from_dlpack(t.reshape(-1).view(torch.uint8).view(torch.int32), assumed_align=align)
-    x.element_type = Uint32
-    return x.mark_layout_dynamic()
+    from ._compile import dl
+    return dl(t.reshape(-1).view(torch.uint8).view(torch.int32), align, Uint32)
 
 
 #: why these providers come before cuda (the registry takes the first that supports a problem)
@@ -549,11 +548,8 @@ class DslKvCacheAppend(DslProvider):
         cfg = VARIANT.get("append", DEFAULT_APPEND)
         fn = compile_cached(("kv_cache_append", fmt, s64, cfg, arch), lambda: _compile_append(fmt, s64, arch, config=cfg))
         kvt = kv.view(torch.int32)
-        from cutlass.cute.runtime import from_dlpack
-        k = from_dlpack(kvt, assumed_align=16)
-        k.element_type = Uint32
-        launch_on(kv.device, fn, k.mark_layout_dynamic(leading_dim=1), dl(slot_mapping, 8 if s64 else 4),
-                  _u32(cache), Int64(cache.shape[0] * bs), Int32(bs))
+        launch_on(kv.device, fn, dl(kvt, 16, Uint32), dl(slot_mapping, 8 if s64 else 4),
+                  _u32(cache), i64(cache.shape[0] * bs), i32(bs))
 
 
 def _table(bt, lens, dev):
@@ -601,7 +597,7 @@ class DslKvGather(DslProvider):
         else:
             swa, sbs, snb = (None, None, None, None), 1, 0
         launch_on(dev, fn, _u32(cache), dl(bt, 4), dl(ln, 4), dl(indices, 4), dl(req_idx, 4) if has_req else None,
-                  *swa, _u32(out), Int32(bsz(cache)), Int32(cache.shape[0]), Int32(sbs), Int32(snb))
+                  *swa, _u32(out), i32(bsz(cache)), i32(cache.shape[0]), i32(sbs), i32(snb))
         return out
 
 

@@ -8,11 +8,10 @@ ring depth -- is picked per problem by :func:`kernels_dsl.sm90.config.choose`, w
 .explain()`` and ``dsv4 ops`` print).
 
 The registry default for prefill-sized groups (> 16 rows per expert on average: the cuda provider,
-asked first, declines them; kernels_cuda/moe.py): GPU tests passed on the H200 (jobs moe-11,
-moe-12, moe-13; every class again in moe-23), Flash MXFP4 W4A8 GEMM1 + GEMM2 T=4096 2586 us = 478
-TFLOP/s (moe-23; 2950 us before the stage pairing + W4A8 decode / register changes of moe-21..23).
-Decode-sized groups go to cuda's moe_decode.cu (1.5-1.7x this kernel there, moe-12); force this one
-with ``registry.use(moe_gemm1_swiglu="dsl", moe_gemm2="dsl")`` or ``DSV4_OPS``.
+asked first, declines them; kernels_cuda/moe.py). Decode-sized groups go to cuda's moe_decode.cu
+(measured faster there); force this one with ``registry.use(moe_gemm1_swiglu="dsl", moe_gemm2="dsl")``
+or ``DSV4_OPS``. GPU test runs and timings: docs/benchmarks.md ("MoE grouped GEMMs in CuTe DSL",
+"MoE layer").
 
 Scheduling hint: ``problem["max_m"]`` (the largest per-expert row count, when the caller knows
 it: masked layout = its ``max_m``; DeepGEMM's ``expected_m_per_group``) selects the token tile;
@@ -40,7 +39,7 @@ from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, launch_on
+from ._compile import DslProvider, compile_cached, dl, i32, launch_on
 from .sm90 import config as _cfg
 
 __all__ = ["DslMoEGemm1", "DslMoEGemm2", "PROVIDERS", "compile_check", "PTX_PATTERNS", "launch_gemm"]
@@ -91,14 +90,7 @@ def _supports(problem) -> Support:
 
 
 def _t(x, align=16, dtype=None):
-    from cutlass.cute.runtime import from_dlpack
-    import torch
-    if dtype is not None:  # fp8: hand the bytes over and retype them
-        t = from_dlpack(x.view(torch.uint8), assumed_align=align)
-        t.element_type = dtype
-    else:
-        t = from_dlpack(x, assumed_align=align)
-    return t.mark_layout_dynamic(leading_dim=x.dim() - 1) if x.dim() > 1 else t.mark_layout_dynamic()
+    return dl(x, align, dtype)   # fp8 (dtype): the bytes retyped
 
 
 def launch_gemm(cfg, *, a, a_s, w, w_s, g, row_start, row_count, route_w, out, out_s, debug: int = 0):
@@ -110,7 +102,7 @@ def launch_gemm(cfg, *, a, a_s, w, w_s, g, row_start, row_count, route_w, out, o
     kernels with WRONG results (:class:`~kernels_dsl.sm90.grouped_gemm.Fp4GroupedGemmKernel`).
     """
     import torch
-    from cutlass import Float8E4M3FN, Int32
+    from cutlass import Float8E4M3FN
     from dsv4.target import Target
     from .sm90.grouped_gemm import compile_kernel
     import dataclasses
@@ -122,14 +114,14 @@ def launch_gemm(cfg, *, a, a_s, w, w_s, g, row_start, row_count, route_w, out, o
     arch = Target.of(dev).arch
     fn = compile_cached(("moe_grouped_gemm", cfg.key(), arch, debug, _sm90_digest()),
                         lambda: compile_kernel(cfg, arch, debug=debug))
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = Target.of(dev).sm_count
     nt = N // _cfg.TILE_N
     units_ub = (-(-R // cfg.tile_m) + min(E, R)) * nt
     grid = max(1, min(units_ub, sms * cfg.ctas_per_sm, GRID_CAP or units_ub))
     fp8 = a.dtype == torch.float8_e4m3fn
     args = (_t(a, 16, Float8E4M3FN if fp8 else None), _t(a_s, 4), _t(w.view(E * N, Kp), 16),
             _t(w_s.view(E * N, w_s.shape[2]), 16 if cfg.scale_tma else 4), _t(g.view(E, -1), 4), _t(row_start, 4), _t(row_count, 4),
-            _t(route_w, 4), _t(out, 16), _t(out_s, 4), Int32(N), Int32(grid))
+            _t(route_w, 4), _t(out, 16), _t(out_s, 4), i32(N), i32(grid))
     launch_on(dev, fn, *args)
 
 
@@ -143,6 +135,10 @@ class _DslMoEBase(DslProvider):
 
     def supports_problem(self, problem):
         return _supports(dict(problem, stage=self.stage))
+
+    def config(self, problem, target=None):
+        """The :class:`~kernels_dsl.sm90.config.GroupedGemmConfig` :func:`config_for` picks (what ``run`` launches)."""
+        return config_for(dict(problem, stage=self.stage))
 
 
 class DslMoEGemm1(_DslMoEBase):

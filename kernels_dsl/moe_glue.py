@@ -48,7 +48,7 @@ from typing import Optional
 from dsv4.registry import Support
 
 from ._compile import (DslProvider, compile_cached, compile_options, compile_variants, dl, dsl_target_support,
-                       launch_on)
+                       f32, i32, launch_on)
 
 try:  # the DSL is optional at import time: the providers then report "unavailable"
     import cuda.bindings.driver as cuda
@@ -745,7 +745,7 @@ class DslMoERoute(_DslGlue):
         args = (_dl(logits, 4), _dl(bias.contiguous(), 4) if bias is not None else None,
                 _dl(input_ids.contiguous(), 4) if hash_layer else None,
                 _dl(tid2eid.contiguous(), 4) if hash_layer else None,
-                _dl(idx, 4), _dl(w, 4), Float32(route_scale))
+                _dl(idx, 4), _dl(w, 4), f32(route_scale))
         _launch(fn, args, x.device)
         return idx, w
 
@@ -800,7 +800,7 @@ class DslMoEPermute(_DslGlue):
         a_arg = _dl(a.view(torch.int32), 16) if act == "fp8" else _dl(a, 16)
         args = (_dl(xs, 16), _dl(ids, 16), _dl(wt, 4), a_arg, _dl(a_s, 4) if act == "fp8" else None,
                 _dl(row_start, 4), _dl(row_count, 4), _dl(rw, 4), _dl(pos, 8),
-                Int32(E), Int32(max_m if layout == "masked" else 0), Int32(tpb), Int32(-(-T // tpb)))
+                i32(E), i32(max_m if layout == "masked" else 0), i32(tpb), i32(-(-T // tpb)))
         _launch(fn, args, dev)
         return a, a_s, row_start, row_count, rw, pos
 

@@ -10,10 +10,14 @@ global-scale source, geometry, arch; :func:`compile_fp4` / :func:`compile_fp8` /
 :func:`compile_fp8_dq`); sizes and pointers are runtime scalars (``Int64`` addresses, the op has
 validated every tensor), so one compile serves every shape and a launch needs no DLPack
 conversion. No host sync, CUDA-graph capturable, one launch per op except NVFP4 with a device
-amax: one launch for small tensors (a single CTA up to ``TUNING["fused_max_chunks"]`` 16-byte
-chunks; or, with ``TUNING["grid_sync"]``, a grid-synchronized launch for tensors of at most one
-4-warp CTA per SM, whose tiles stay in registers across the grid-wide amax: x read once), else
-two (amax partials, then quantize; x read twice, its last ``l2_keep_bytes`` kept in L2).
+amax: one launch for small tensors (a single CTA up to ``FUSED_MAX_CHUNKS`` 16-byte chunks, linear
+layout; or a grid-synchronized launch for tensors of at most one 4-warp CTA per SM, whose tiles
+stay in registers across the grid-wide amax: x read once), else two (amax partials, then quantize;
+x read twice, its last ``L2_KEEP_BYTES`` kept in L2).
+
+Launch geometry: :func:`plan` (a frozen :class:`Plan` per problem: kernel config + grid cap) from
+the size class -- the measured :data:`LARGE` geometry for tensors of two or more waves of warp
+tiles, small 4-warp CTAs with short tiles at decode sizes (:func:`_geometry`).
 
 The grid-synchronized path keeps one 8-byte counter per (device, stream) (:func:`_grid_workspace`,
 zero at rest, reset by each launch): launches of it that share a stream are serialized by the
@@ -22,11 +26,12 @@ stream; two streams get two counters.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
+from typing import Any
 
-from dsv4.config import env_int
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, compile_options, launch_on
+from ._compile import DslProvider, compile_cached, compile_options, i32, i64, launch_on
 
 try:
     import cutlass.cute as cute
@@ -36,32 +41,152 @@ except Exception:  # noqa: BLE001
     _HAVE_DSL = False
 
 _IN = ("bfloat16", "float16")
-#: Launch tuning (never changes results): warp-tile loads per lane, warps per CTA, CTAs per SM cap of the
-#: grid-stride loop, register launch bound, L2 load policy; NVFP4 device amax: single-CTA limit (linear
-#: layout; swizzled only with ``fused_swizzled``: the 128-row zero padding makes one CTA slow), L2 keep
-#: window of the amax pass, reverse tile order, the grid-synchronized one-launch path (``grid_sync``,
-#: ``grid_warps`` per CTA); ``tuned``: apply :data:`TUNED`. The DSV4_QUANT_* environment overrides are
-#: read once at import (dsv4/config.py).
-TUNING = {"qj": 8, "warps": 8, "ctas_per_sm": 4, "min_blocks": 0, "l2_hint": 1,
-          "fused_max_chunks": env_int("DSV4_QUANT_FUSED_MAX_CHUNKS"), "fused_swizzled": 0,
-          "l2_keep_bytes": env_int("DSV4_QUANT_L2_KEEP_MB") << 20, "reverse": env_int("DSV4_QUANT_REVERSE"),
-          "grid_sync": env_int("DSV4_QUANT_GRID_SYNC"), "grid_warps": 4, "tuned": 1}
 
-#: Geometries measured faster at 8192 x 8192 by ``bench/bench_quantize.py --sweep`` (H200, job quant-02,
-#: 2026-12-01) and verified bit-exact there for exactly these specializations: (format, input dtype,
-#: layout / rule) -> TUNING overrides. NVFP4 swizzled bf16: given scale 55.3 us (73.2% of copy BW) vs 65.9
-#: at the default geometry, device amax 91.0 vs 96.4; MXFP4 dsv4 bf16: 51.0 us (78.3%) vs 60.0.
-TUNED = {("nvfp4", "bfloat16", "swizzled"): {"min_blocks": 3, "ctas_per_sm": 3},
-         ("mxfp4", "bfloat16", "dsv4"): {"qj": 4, "min_blocks": 4}}
+#: Launch constants of the NVFP4 device-amax paths (never change results; formerly the DSV4_QUANT_*
+#: environment switches): the single-CTA path up to FUSED_MAX_CHUNKS 16-byte chunks (linear layout:
+#: the swizzled layout's 128-row zero padding makes one CTA slow), the grid-synchronized one-launch
+#: path for tensors of at most one GRID_WARPS-warp CTA per SM, else two launches whose amax pass keeps
+#: the last L2_KEEP_BYTES of x in L2 (evict_last) for the quantize pass, which walks the tiles in reverse.
+FUSED_MAX_CHUNKS = 4096
+GRID_WARPS = 4
+L2_KEEP_BYTES = 32 << 20
 
 
-def _geo(key) -> dict:
-    """The launch geometry for a (format, input dtype, variant) specialization."""
-    g = {k: TUNING[k] for k in ("qj", "warps", "ctas_per_sm", "min_blocks", "l2_hint")}
-    if TUNING["tuned"]:
-        g.update(TUNED.get(key, {}))
-    g["l2_hint"] = g["l2_hint"] != 0
-    return g
+@dataclass(frozen=True)
+class Plan:
+    """One quantizer launch as :func:`plan` chose it: the kernel specialization (its compile key) and
+    the persistent-grid cap (CTAs of ``cfg.warps`` warps per SM)."""
+
+    cfg: Any                 # Fp4Config | Fp8Config | Fp8DqConfig
+    ctas_per_sm: int
+    path: str = ""           # NVFP4 global scale: "given" | "partials" | "fused" | "grid"
+
+
+#: Geometry of the large-tensor class (at least two waves of warp tiles) per kernel family: kernel-config
+#: fields + ctas_per_sm, the fastest of 13 geometries at 8192 x 8192 bf16 (H200, job mem7-02, 2026-12-01,
+#: all verified bit-exact there; us, copy BW 4251 GB/s): NVFP4 given scale 54.98 (a bulk-copy ring of 2
+#: tiles, 4-warp CTAs; register loads at the old geometry 55.42), NVFP4 device amax 90.92 (register loads;
+#: the ring 92.64), MXFP4 47.70, FP8 57.29, dequant 57.27 (4 units x 4 warps; 8 x 8 warps 62.02).
+LARGE_DEFAULT = {"qj": 8, "warps": 8, "min_blocks": 0, "ctas_per_sm": 4}
+LARGE = {
+    "nvfp4": {"qj": 8, "warps": 4, "min_blocks": 4, "ctas_per_sm": 2, "pipe": 2, "lut": 32},
+    "nvfp4-amax": {"qj": 4, "warps": 8, "min_blocks": 4, "ctas_per_sm": 4, "pipe": 0, "lut": 32},
+    "mxfp4": {"qj": 4, "warps": 8, "min_blocks": 4, "ctas_per_sm": 4},
+    "fp8": {"qj": 4, "warps": 8, "min_blocks": 4, "ctas_per_sm": 4},
+    "dequant": {"units": 4, "warps": 4, "ctas_per_sm": 16},
+}
+#: benchmark / test hook, empty in production: ``{"fp4" | "fp8" | "dequant": {field: value}}`` replaces
+#: fields of the planned kernel config (and ``ctas_per_sm``) at every size; ``"nvfp4_path"``: force the
+#: device-amax path ("fused" | "grid" | "partials"); ``"reverse": False``: the quantize pass of the
+#: two-launch path walks the tiles in order
+OVERRIDE: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(dev) -> int:
+    import torch
+    return _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _geometry(family: str, n_chunks: int, sms: int) -> dict:
+    """Launch geometry for ``n_chunks`` 16-byte input chunks: the LARGE entry when the tensor holds at
+    least two waves of its warp tiles, else 4-warp CTAs with the largest tile (qj 8 / 4 / 2 / 1) that
+    still gives every SM 4 warps and no per-CTA setup (``lut`` 0; decode sizes: latency, not bandwidth)."""
+    g = dict(LARGE_DEFAULT, **LARGE.get(family, {}))
+    wave = sms * g["ctas_per_sm"] * g["warps"] * 32 * g["qj"]
+    if n_chunks >= 2 * wave:
+        return g
+    qj = 8
+    while qj > 1 and n_chunks < 4 * sms * 32 * qj:
+        qj //= 2
+    return {"qj": qj, "warps": 4, "min_blocks": 0, "ctas_per_sm": 4, "pipe": 0, "lut": 0}
+
+
+def _override(family: str, cfg, cps: int):
+    o = OVERRIDE.get(family)
+    if not o:
+        return cfg, cps
+    o = dict(o)
+    cps = o.pop("ctas_per_sm", cps)
+    return replace(cfg, **o), cps
+
+
+def plan_nvfp4(in_dtype: str, swizzled: bool, given: bool, M: int, K: int, sms: int) -> Plan:
+    """The NVFP4 launch for an ``[M, K]`` input (global scale given or from the device amax)."""
+    from .quantize_fp4 import GS_FUSED, GS_GIVEN, GS_GRID, GS_PARTIALS, Fp4Config
+    n_chunks = M * K // 8
+    force = OVERRIDE.get("nvfp4_path")
+    if not given and force in (None, "fused", "grid"):
+        if force == "fused" or (force is None and n_chunks <= FUSED_MAX_CHUNKS and not swizzled):
+            return Plan(Fp4Config("nvfp4", in_dtype, swizzled=swizzled, gs=GS_FUSED, qj=8, warps=16, lut=0), 1,
+                        "fused")
+        ksf, kt, mt = K // 16, -(-(K // 16) // 4), -(-M // 128)
+        pad = ((mt * 128 - M) * kt + M * (4 * kt - ksf)) if swizzled else 0
+        for qj in (1, 2, 4, 8):            # one co-resident CTA per SM, few padding words per thread
+            grid_n = -(-n_chunks // (32 * qj * GRID_WARPS))
+            if grid_n <= sms and pad <= grid_n * 32 * GRID_WARPS * 32 and force in (None, "grid"):
+                return Plan(Fp4Config("nvfp4", in_dtype, swizzled=swizzled, gs=GS_GRID, qj=qj, warps=GRID_WARPS,
+                                       lut=0),
+                            1, "grid")
+    g = _geometry("nvfp4" if given else "nvfp4-amax", n_chunks, sms)
+    cfg = Fp4Config("nvfp4", in_dtype, swizzled=swizzled, gs=GS_GIVEN if given else GS_PARTIALS, qj=g["qj"],
+                    warps=g["warps"], min_blocks=g["min_blocks"], pipe=g.get("pipe", 0), lut=g.get("lut", 0))
+    cfg, cps = _override("fp4", cfg, g["ctas_per_sm"])
+    return Plan(cfg, cps, "given" if given else "partials")
+
+
+def plan_mxfp4(in_dtype: str, rule: str, M: int, K: int, sms: int) -> Plan:
+    from .quantize_fp4 import Fp4Config
+    g = _geometry("mxfp4", M * K // 8, sms)
+    cfg = Fp4Config("mxfp4", in_dtype, rule=rule, qj=g["qj"], warps=g["warps"], min_blocks=g["min_blocks"],
+                    pipe=g.get("pipe", 0))
+    return Plan(*_override("fp4", cfg, g["ctas_per_sm"]))
+
+
+def plan_fp8(block: int, scale: int, in_dtype: str, M: int, K: int, sms: int) -> Plan:
+    from .quantize_fp8 import Fp8Config
+    g = _geometry("fp8", M * K // 8, sms)
+    cfg = Fp8Config(block, scale, in_dtype, qj=g["qj"], warps=g["warps"], min_blocks=g["min_blocks"],
+                    pipe=g.get("pipe", 0))
+    return Plan(*_override("fp8", cfg, g["ctas_per_sm"]))
+
+
+def plan_dequant(block: int, ue8m0: bool, out_dtype: str, M: int, K: int, sms: int) -> Plan:
+    """FP8 dequant: LARGE["dequant"] for two waves or more, else 4-warp CTAs of 1..8 units per lane."""
+    from .quantize_fp8 import Fp8DqConfig
+    g = dict(LARGE["dequant"])
+    n_units = M * K // (4 if out_dtype == "float32" else 8)
+    if n_units < 2 * sms * g["ctas_per_sm"] * g["warps"] * 32 * g["units"]:
+        u = 8
+        while u > 1 and n_units < 4 * sms * 4 * 32 * u:
+            u //= 2
+        g = {"units": u, "warps": 4, "ctas_per_sm": 8}
+    cfg = Fp8DqConfig(block, ue8m0, out_dtype, g["units"], g["warps"])
+    return Plan(*_override("dequant", cfg, g["ctas_per_sm"]))
+
+
+def plan(op: str, problem) -> Plan:
+    """The launch the provider of ``op`` runs for ``problem`` on the current device (``dsv4 ops``
+    shows it); needs ``M`` in the problem."""
+    import torch
+    from .quantize_fp8 import SCALE_FP32, SCALE_POW2_F32, SCALE_UE8M0
+    sms = _sm_count(torch.cuda.current_device())
+    M, K = problem["M"], problem["K"]
+    if op == "quantize_nvfp4":
+        return plan_nvfp4(problem["in_dtype"], problem["sf_layout"] == "swizzled", problem["global_scale"] in (True, 1),
+                          M, K, sms)
+    if op == "quantize_mxfp4":
+        return plan_mxfp4(problem["in_dtype"], problem["rule"], M, K, sms)
+    if op == "quantize_fp8_block":
+        e8 = problem["scale_dtype"] == "float8_e8m0fnu"
+        sc = SCALE_FP32 if problem["scale_fmt"] == "fp32" else (SCALE_UE8M0 if e8 else SCALE_POW2_F32)
+        return plan_fp8(problem["block"], sc, problem["in_dtype"], M, K, sms)
+    return plan_dequant(problem["block"], problem["scale_dtype"] == "float8_e8m0fnu", problem["out_dtype"], M, K, sms)
 
 
 _WS: dict = {}
@@ -78,19 +203,10 @@ def _grid_workspace(dev):
     return w
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    import torch
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(dev) -> int:
-    import torch
-    return _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-
-
-def _grid(n_tiles: int, warps: int, dev, pad_threads: int = 0, ctas_per_sm: int | None = None) -> int:
-    cap = _sms(dev) * (ctas_per_sm or TUNING["ctas_per_sm"]) * max(1, 8 // warps)
+def _grid(n_tiles: int, warps: int, dev, ctas_per_sm: int, pad_threads: int = 0) -> int:
+    """Persistent grid: enough CTAs for the tiles (and the swizzled zero padding), at most
+    ``ctas_per_sm`` CTAs of 8 warps per SM (scaled up for smaller CTAs)."""
+    cap = _sms(dev) * ctas_per_sm * max(1, 8 // warps)
     need = max(-(-n_tiles // warps), -(-pad_threads // (32 * warps * 8)))
     return max(1, min(need, cap))
 
@@ -117,9 +233,9 @@ def _fp4_fn(cfg, arch):
     return compile_cached(("quantize_fp4", cfg, arch), lambda: compile_fp4(cfg, arch))
 
 
-#: Ops whose DSL kernels passed the bit-exact H200 checks (job quant-02, 2026-12-01: 761 checks, every
-#: family, input dtype, layout / rule, launch path and 6 launch geometries, CUDA-graph replay); an op
-#: set to False answers "no" (never a default, never forced).
+#: Ops whose DSL kernels passed the bit-exact H200 checks (jobs quant-02, mem7-01/02/03, 2026-12-01: every
+#: family, input dtype, layout / rule, NVFP4 launch path, size class and 13 launch geometries, NaN / Inf
+#: blocks, CUDA-graph replay); an op set to False answers "no" (never a default, never forced).
 VALIDATED = {"quantize_nvfp4": True, "quantize_mxfp4": True, "quantize_fp8_block": True,
              "dequantize_fp8_block": True}
 
@@ -130,34 +246,20 @@ def _unvalidated(op: str):
     return None
 
 
-def _prefer_other(op: str, reason: str):
-    """``Support.no(reason)`` where the cuda provider was measured faster for this problem class, unless
-    the dsl provider is forced (``registry.use`` / ``DSV4_OPS``): then it runs (it is bit-exact)."""
-    from dsv4 import registry
-    if registry._forced_kind(op) == "dsl":
-        return None
-    return Support.no(reason)
-
-
-#: The measurements behind the provider preference (bench/bench_quantize.py, H200, job quant-02, 2026-12-01,
-#: CUDA-graph us, dsl / cuda; copy bandwidth 4252 GB/s).
+#: The measurements behind the provider choice (H200, CUDA-graph us, copy bandwidth 4251-4252 GB/s): dsl (final
+#: tree, job mem7-03, 2026-12-01) / the CUDA provider of kernels_cuda/quantize.cu (job mem7-02, same day), deleted
+#: because the DSL one matched or beat it at every size (dequant 2048x7168 within 4%).
 MEASURED = {
-    "quantize_nvfp4": "device amax 8192^2 swz 91.0 / 102.7 (tuned geometry), lin 95.1 / 98.7, 2048x7168 swz 24.7 / "
-                      "27.2, 128x7168 6.1 (1 launch) / 6.8, 16x7168 swz 6.2 (1 launch) / 6.5, lin 5.3 / 5.6, 1x7168 "
-                      "swz 6.7 (2 launches) / 16.9, lin 3.2 / 4.0; given scale swz 8192^2 55.3 / 65.0, 2048x7168 16.1 "
-                      "/ 17.5",
-    "quantize_nvfp4-given-small": "cuda measured faster for a caller-supplied global scale except bf16 swizzled at "
-                                  "M > 128 (given swz: 128x7168 4.00 / dsl 4.21, 16x7168 3.95 / 5.51, 1x7168 4.16 / "
-                                  "4.41; 8192^2 at the untuned dsl geometry 65.0 / 67.0)",
-    "quantize_mxfp4": "bf16 at M * K >= 2^20: dsv4 8192^2 51.0 / 56.6 (tuned geometry), 2048x7168 13.0 / 15.4; ocp "
-                      "60.3 / 60.5, 15.3 / 16.4",
-    "quantize_mxfp4-small": "cuda measured faster below 2^20 elements and for fp16 input (dsv4 128x7168 3.40 / dsl "
-                            "4.08, 16x7168 2.83 / 3.04; ocp 3.62 / 5.59, 3.05 / 3.87; fp16 runs the untuned dsl "
-                            "geometry: 8192^2 bf16 there 56.6 / 64.0)",
-    "quantize_fp8_block": "cuda measured faster at every size (b128 fp32 8192^2 60.5 / dsl 80.0 at its best "
-                          "geometry, 2048x7168 15.6 / 21.3, 16x7168 3.7 / 4.8; ue8m0 62.1 / 74.8)",
-    "dequantize_fp8_block": "cuda measured faster or equal at every size (8192^2 57.0 / dsl 56.8 at its best "
-                            "geometry, 2048x7168 12.3 / 13.5, 128x7168 2.8 / 4.8, 16x7168 2.0 / 3.0)",
+    "quantize_nvfp4": "given scale swz 8192^2 54.84 / 65.72, 2048x7168 15.63 / 17.50, 128x7168 3.76 / 4.19, 16x7168 "
+                      "3.18 / 4.01, 1x7168 3.65 / 4.27; device amax swz 8192^2 91.7 / 103.0, lin 87.2 / 98.9, "
+                      "2048x7168 25.2 / 26.9 (lin 23.5 / 25.4), 128x7168 6.43 / 6.99, 16x7168 5.05 / 6.51 (lin 3.90 / "
+                      "5.71), 1x7168 6.15 / 17.04 (lin 3.15 / 4.07)",
+    "quantize_mxfp4": "dsv4 8192^2 47.70 / 57.40, 2048x7168 12.17 / 15.53, 128x7168 3.01 / 3.30, 16x7168 1.91 / 2.91, "
+                      "1x7168 1.74 / 2.86; ocp 8192^2 50.72 / 61.06",
+    "quantize_fp8_block": "b128 fp32 8192^2 56.22 / 62.03, 2048x7168 12.54 / 15.76, 128x7168 3.13 / 4.02, 16x7168 "
+                          "1.94 / 3.81, 1x7168 1.83 / 3.82; ue8m0 8192^2 56.32 / 62.86",
+    "dequantize_fp8_block": "8192^2 56.43 / 57.24, 2048x7168 12.96 / 12.49, 128x7168 2.46 / 2.76, 16x7168 1.64 / "
+                            "2.04, 1x7168 1.50 / 1.94",
 }
 
 
@@ -180,20 +282,12 @@ class DslQuantizeNvfp4(DslProvider):
         s = _supports(problem, 16)
         if not s:
             return s
-        if problem.get("global_scale") and not (problem.get("in_dtype") == "bfloat16"
-                                                and problem.get("sf_layout") == "swizzled"
-                                                and problem.get("M", 1 << 30) > 128):
-            no = _prefer_other("quantize_nvfp4", "dsl: " + MEASURED["quantize_nvfp4-given-small"])
-            if no is not None:
-                return no
-        return Support.yes("sm_90a, bf16/fp16; measured faster: " + MEASURED["quantize_nvfp4"])
+        return Support.yes("sm_90a, bf16/fp16; measured: " + MEASURED["quantize_nvfp4"])
 
     def run(self, problem, *, x, global_scale):
         import torch
 
         from dsv4.target import Target
-
-        from .quantize_fp4 import GS_FUSED, GS_GIVEN, GS_GRID, GS_PARTIALS, Fp4Config
         M, K = x.shape
         dev = x.device
         swz = problem["sf_layout"] == "swizzled"
@@ -203,46 +297,31 @@ class DslQuantizeNvfp4(DslProvider):
         gs = torch.empty((2,), dtype=torch.float32, device=dev)
         n_chunks = M * K // 8
         arch = Target.of(dev).arch
-        ind = problem["in_dtype"]
-        g = _geo(("nvfp4", ind, "swizzled" if swz else "linear"))
-        qj, warps, cps = g["qj"], g["warps"], g["ctas_per_sm"]
-        n_tiles = -(-n_chunks // (32 * qj))
+        p = plan_nvfp4(problem["in_dtype"], swz, global_scale is not None, M, K, _sms(dev))
+        cfg = p.cfg
+        n_tiles = -(-n_chunks // (32 * cfg.qj))
         pad = ((mt * 128 - M) * kt + M * (4 * kt - ksf)) if swz else 0
-        geo = (Int32(M), Int32(ksf), Int32(kt), Int32(mt * 128 if swz else M))
-        gw = TUNING["grid_warps"]
-        grid_n = -(-n_tiles // gw)
-        fused = n_chunks <= TUNING["fused_max_chunks"] and (not swz or TUNING["fused_swizzled"])
-        # one grid-synchronized launch: at most one CTA per SM, and (swizzled) few padding words per thread
-        grid_ok = TUNING["grid_sync"] and grid_n <= _sms(dev) and pad <= grid_n * 32 * gw * 32
-        if global_scale is not None:
-            cfg = Fp4Config("nvfp4", ind, swizzled=swz, gs=GS_GIVEN, qj=qj, warps=warps, min_blocks=g["min_blocks"],
-                            l2_hint=g["l2_hint"])
-            launch_on(dev, _fp4_fn(cfg, arch), Int64(x.data_ptr()), Int64(data.data_ptr()), Int64(scale.data_ptr()),
-                      Int64(gs.data_ptr()), Int64(global_scale.data_ptr()), Int32(1), Int64(n_chunks), *geo,
-                      Int32(0), Int64(0), Int32(_grid(n_tiles, warps, dev, pad, cps)))
-        elif not fused and grid_ok:
-            grid = grid_n
+        geo = (i32(M), i32(ksf), i32(kt), i32(mt * 128 if swz else M))
+        ptrs = (i64(x.data_ptr()), i64(data.data_ptr()), i64(scale.data_ptr()), i64(gs.data_ptr()))
+        if p.path == "given":
+            launch_on(dev, _fp4_fn(cfg, arch), *ptrs, i64(global_scale.data_ptr()), i32(1), i64(n_chunks), *geo,
+                      i32(0), i64(0), i32(_grid(n_tiles, cfg.warps, dev, p.ctas_per_sm, pad)))
+        elif p.path == "grid":
+            grid = -(-n_tiles // cfg.warps)
             partials = torch.empty((grid,), dtype=torch.int32, device=dev)
-            cfg = Fp4Config("nvfp4", ind, swizzled=swz, gs=GS_GRID, qj=qj, warps=gw)
-            launch_on(dev, _fp4_fn(cfg, arch), Int64(x.data_ptr()), Int64(data.data_ptr()), Int64(scale.data_ptr()),
-                      Int64(gs.data_ptr()), Int64(partials.data_ptr()), Int32(grid), Int64(n_chunks), *geo, Int32(0),
-                      Int64(_grid_workspace(dev).data_ptr()), Int32(grid))
-        elif fused:
-            cfg = Fp4Config("nvfp4", ind, swizzled=swz, gs=GS_FUSED, qj=qj, warps=16)
-            launch_on(dev, _fp4_fn(cfg, arch), Int64(x.data_ptr()), Int64(data.data_ptr()), Int64(scale.data_ptr()),
-                      Int64(gs.data_ptr()), Int64(0), Int32(0), Int64(n_chunks), *geo, Int32(0), Int64(0), Int32(1))
-        else:
-            grid1 = _grid(n_tiles, warps, dev, 0, cps)
+            launch_on(dev, _fp4_fn(cfg, arch), *ptrs, i64(partials.data_ptr()), i32(grid), i64(n_chunks), *geo, i32(0),
+                      i64(_grid_workspace(dev).data_ptr()), i32(grid))
+        elif p.path == "fused":
+            launch_on(dev, _fp4_fn(cfg, arch), *ptrs, i64(0), i32(0), i64(n_chunks), *geo, i32(0), i64(0), i32(1))
+        else:   # partials: amax pass (keeps the tail of x in L2), then the quantizer walks the tiles in reverse
+            grid1 = _grid(n_tiles, cfg.warps, dev, p.ctas_per_sm)
             partials = torch.empty((grid1,), dtype=torch.int32, device=dev)
-            amax = compile_cached(("quantize_amax", qj, warps, arch), lambda: compile_amax(qj, warps, arch))
-            keep_from = max(0, n_chunks - TUNING["l2_keep_bytes"] // 16)
-            launch_on(dev, amax, Int64(x.data_ptr()), Int64(partials.data_ptr()), Int64(n_chunks), Int64(keep_from),
-                      Int32(grid1))
-            cfg = Fp4Config("nvfp4", ind, swizzled=swz, gs=GS_PARTIALS, qj=qj, warps=warps, min_blocks=g["min_blocks"],
-                            l2_hint=g["l2_hint"])
-            launch_on(dev, _fp4_fn(cfg, arch), Int64(x.data_ptr()), Int64(data.data_ptr()), Int64(scale.data_ptr()),
-                      Int64(gs.data_ptr()), Int64(partials.data_ptr()), Int32(grid1), Int64(n_chunks), *geo,
-                      Int32(TUNING["reverse"]), Int64(0), Int32(_grid(n_tiles, warps, dev, pad, cps)))
+            amax = compile_cached(("quantize_amax", cfg.qj, cfg.warps, arch), lambda: compile_amax(cfg.qj, cfg.warps, arch))
+            keep_from = max(0, n_chunks - L2_KEEP_BYTES // 16)
+            launch_on(dev, amax, i64(x.data_ptr()), i64(partials.data_ptr()), i64(n_chunks), i64(keep_from), i32(grid1))
+            launch_on(dev, _fp4_fn(cfg, arch), *ptrs, i64(partials.data_ptr()), i32(grid1), i64(n_chunks), *geo,
+                      i32(int(OVERRIDE.get("reverse", True))), i64(0),
+                      i32(_grid(n_tiles, cfg.warps, dev, p.ctas_per_sm, pad)))
         return data, scale.view(torch.float8_e4m3fn), gs
 
 
@@ -256,33 +335,24 @@ class DslQuantizeMxfp4(DslProvider):
         s = _supports(problem, 32)
         if not s:
             return s
-        if problem.get("in_dtype") != "bfloat16" or problem.get("M", 1 << 30) * problem["K"] < (1 << 20):
-            no = _prefer_other("quantize_mxfp4", "dsl: " + MEASURED["quantize_mxfp4-small"])
-            if no is not None:
-                return no
-        return Support.yes("sm_90a, bf16/fp16; measured faster: " + MEASURED["quantize_mxfp4"])
+        return Support.yes("sm_90a, bf16/fp16; measured: " + MEASURED["quantize_mxfp4"])
 
     def run(self, problem, *, x):
         import torch
 
         from dsv4.target import Target
-
-        from .quantize_fp4 import Fp4Config
         M, K = x.shape
         dev = x.device
         data = torch.empty((M, K // 2), dtype=torch.uint8, device=dev)
         scale = torch.empty((M, K // 32), dtype=torch.uint8, device=dev)
         n_chunks = M * K // 8
         if n_chunks:
-            g = _geo(("mxfp4", problem["in_dtype"], problem["rule"]))
-            qj, warps = g["qj"], g["warps"]
-            cfg = Fp4Config("mxfp4", problem["in_dtype"], rule=problem["rule"], qj=qj, warps=warps,
-                            min_blocks=g["min_blocks"], l2_hint=g["l2_hint"])
-            fn = _fp4_fn(cfg, Target.of(dev).arch)
-            n_tiles = -(-n_chunks // (32 * qj))
-            launch_on(dev, fn, Int64(x.data_ptr()), Int64(data.data_ptr()), Int64(scale.data_ptr()), Int64(0), Int64(0),
-                      Int32(0), Int64(n_chunks), Int32(M), Int32(K // 32), Int32(0), Int32(M), Int32(0), Int64(0),
-                      Int32(_grid(n_tiles, warps, dev, 0, g["ctas_per_sm"])))
+            p = plan_mxfp4(problem["in_dtype"], problem["rule"], M, K, _sms(dev))
+            fn = _fp4_fn(p.cfg, Target.of(dev).arch)
+            n_tiles = -(-n_chunks // (32 * p.cfg.qj))
+            launch_on(dev, fn, i64(x.data_ptr()), i64(data.data_ptr()), i64(scale.data_ptr()), i64(0), i64(0),
+                      i32(0), i64(n_chunks), i32(M), i32(K // 32), i32(0), i32(M), i32(0), i64(0),
+                      i32(_grid(n_tiles, p.cfg.warps, dev, p.ctas_per_sm)))
         return data, scale.view(torch.float8_e8m0fnu)
 
 
@@ -316,15 +386,14 @@ class DslQuantizeFp8Block(DslProvider):
         s = _supports(problem, problem["block"])
         if not s:
             return s
-        no = _prefer_other("quantize_fp8_block", "dsl: " + MEASURED["quantize_fp8_block"])
-        return no if no is not None else s
+        return Support.yes("sm_90a, bf16/fp16; measured: " + MEASURED["quantize_fp8_block"])
 
     def run(self, problem, *, x):
         import torch
 
         from dsv4.target import Target
 
-        from .quantize_fp8 import SCALE_FP32, SCALE_POW2_F32, SCALE_UE8M0, Fp8Config
+        from .quantize_fp8 import SCALE_FP32, SCALE_POW2_F32, SCALE_UE8M0
         M, K = x.shape
         B = problem["block"]
         e8 = problem["scale_dtype"] == "float8_e8m0fnu"
@@ -334,17 +403,12 @@ class DslQuantizeFp8Block(DslProvider):
         scale = torch.empty((M, K // B), dtype=torch.uint8 if e8 else torch.float32, device=dev)
         n_chunks = M * K // 8
         if n_chunks:
-            qj, warps = TUNING["qj"], TUNING["warps"]
-            cfg = Fp8Config(B, sc, problem["in_dtype"], qj, warps, TUNING["min_blocks"], TUNING["l2_hint"] != 0)
+            p = plan_fp8(B, sc, problem["in_dtype"], M, K, _sms(dev))
             arch = Target.of(dev).arch
-            fn = compile_cached(("quantize_fp8", cfg, arch), lambda: compile_fp8(cfg, arch))
-            launch_on(dev, fn, Int64(x.data_ptr()), Int64(q.data_ptr()), Int64(scale.data_ptr()), Int64(n_chunks),
-                      Int32(_grid(-(-n_chunks // (32 * qj)), warps, dev)))
+            fn = compile_cached(("quantize_fp8", p.cfg, arch), lambda: compile_fp8(p.cfg, arch))
+            launch_on(dev, fn, i64(x.data_ptr()), i64(q.data_ptr()), i64(scale.data_ptr()), i64(n_chunks),
+                      i32(_grid(-(-n_chunks // (32 * p.cfg.qj)), p.cfg.warps, dev, p.ctas_per_sm)))
         return q.view(torch.float8_e4m3fn), (scale.view(torch.float8_e8m0fnu) if e8 else scale)
-
-
-#: dequant geometry: 16-byte output units per lane per step, warps per CTA
-DQ_TUNING = {"units": 8, "warps": 8, "ctas_per_sm": 4}
 
 
 class DslDequantizeFp8Block(DslProvider):
@@ -358,8 +422,7 @@ class DslDequantizeFp8Block(DslProvider):
             return Support.no(f"dsl: block {problem['block']} not in (32, 64, 128)")
         if problem["K"] % problem["block"]:
             return Support.no(f"dsl: K={problem['K']} is not a multiple of block {problem['block']}")
-        no = _prefer_other("dequantize_fp8_block", "dsl: " + MEASURED["dequantize_fp8_block"])
-        return no if no is not None else Support.yes("sm_90a")
+        return Support.yes("sm_90a; measured: " + MEASURED["dequantize_fp8_block"])
 
     def run(self, problem, *, q, scale):
         import torch
@@ -367,21 +430,18 @@ class DslDequantizeFp8Block(DslProvider):
         from dsv4.ops._common import str_dtype
         from dsv4.target import Target
 
-        from .quantize_fp8 import Fp8DqConfig
         M, K = q.shape
         od = problem["out_dtype"]
         out = torch.empty((M, K), dtype=str_dtype(od), device=q.device)
         E = 4 if od == "float32" else 8
         n_units = M * K // E
         if n_units:
-            units, warps = DQ_TUNING["units"], DQ_TUNING["warps"]
-            cfg = Fp8DqConfig(problem["block"], problem["scale_dtype"] == "float8_e8m0fnu", od, units, warps)
+            p = plan_dequant(problem["block"], problem["scale_dtype"] == "float8_e8m0fnu", od, M, K, _sms(q.device))
             arch = Target.of(q.device).arch
-            fn = compile_cached(("dequant_fp8", cfg, arch), lambda: compile_fp8_dq(cfg, arch))
-            n_tiles = -(-n_units // (32 * units))
-            grid = max(1, min(-(-n_tiles // warps), _sms(q.device) * DQ_TUNING["ctas_per_sm"] * max(1, 8 // warps)))
-            launch_on(q.device, fn, Int64(q.data_ptr()), Int64(scale.data_ptr()), Int64(out.data_ptr()),
-                      Int64(n_units), Int32(grid))
+            fn = compile_cached(("dequant_fp8", p.cfg, arch), lambda: compile_fp8_dq(p.cfg, arch))
+            n_tiles = -(-n_units // (32 * p.cfg.units))
+            launch_on(q.device, fn, i64(q.data_ptr()), i64(scale.data_ptr()), i64(out.data_ptr()), i64(n_units),
+                      i32(_grid(n_tiles, p.cfg.warps, q.device, p.ctas_per_sm)))
         return out
 
 
@@ -397,20 +457,20 @@ PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
 
 
 def default_configs() -> dict:
-    """The specializations the providers launch by default (bf16, current TUNING): name -> build."""
-    from .quantize_fp4 import GS_GIVEN, GS_PARTIALS, Fp4Config
-    from .quantize_fp8 import SCALE_UE8M0, Fp8Config, Fp8DqConfig
-    qj, warps, mb = TUNING["qj"], TUNING["warps"], TUNING["min_blocks"]
-    return {
-        "nvfp4-swz-partials": lambda a, e: compile_fp4(Fp4Config("nvfp4", swizzled=True, gs=GS_PARTIALS, qj=qj,
-                                                                  warps=warps, min_blocks=mb), a, e),
-        "nvfp4-swz-given": lambda a, e: compile_fp4(Fp4Config("nvfp4", swizzled=True, gs=GS_GIVEN, qj=qj, warps=warps,
-                                                               min_blocks=mb), a, e),
-        "mxfp4-dsv4": lambda a, e: compile_fp4(Fp4Config("mxfp4", qj=qj, warps=warps, min_blocks=mb), a, e),
-        "fp8-b128-ue8m0": lambda a, e: compile_fp8(Fp8Config(128, SCALE_UE8M0, "bfloat16", qj, warps, mb), a, e),
-        "dequant-b128-bf16": lambda a, e: compile_fp8_dq(Fp8DqConfig(128, False, "bfloat16", DQ_TUNING["units"],
-                                                                     DQ_TUNING["warps"]), a, e),
-    }
+    """The specializations the providers launch for bf16 8192 x 8192 and 16 x 7168 on a 132-SM H200
+    (:func:`plan_nvfp4` ...): name -> build."""
+    from .quantize_fp8 import SCALE_UE8M0
+    out = {}
+    for (M, K) in ((8192, 8192), (16, 7168)):
+        for name, p in (("nvfp4-swz-given", plan_nvfp4("bfloat16", True, True, M, K, 132)),
+                        ("nvfp4-swz-amax", plan_nvfp4("bfloat16", True, False, M, K, 132)),
+                        ("mxfp4-dsv4", plan_mxfp4("bfloat16", "dsv4", M, K, 132))):
+            out[f"{name}-{M}x{K}"] = lambda a, e, c=p.cfg: compile_fp4(c, a, e)
+        out[f"fp8-b128-ue8m0-{M}x{K}"] = lambda a, e, c=plan_fp8(128, SCALE_UE8M0, "bfloat16", M, K, 132).cfg: \
+            compile_fp8(c, a, e)
+        out[f"dequant-b128-bf16-{M}x{K}"] = lambda a, e, c=plan_dequant(128, False, "bfloat16", M, K, 132).cfg: \
+            compile_fp8_dq(c, a, e)
+    return out
 
 
 def compile_check(dump_dir=None, arch: str = "sm_90a", only=None) -> dict:

@@ -15,10 +15,17 @@ Mapping (both): ``x`` is walked as a flat array of 16-byte chunks (8 elements; a
 never straddles a row since ``K % 16 == 0``). A warp tile is ``32 * QJ`` chunks; load ``j`` of
 lane ``l`` reads chunk ``tile * 32 QJ + 32 j + l`` (every warp load instruction reads 512
 contiguous bytes, ``ld.global.nc.v4`` with an L2 ``evict_first`` policy, predicated off past the
-end). A scale block spans ``CPB`` consecutive lanes (NVFP4 2, MXFP4 4): its ``|x|`` max is a
-packed ``max.u16x2`` on the magnitude bits plus ``shfl.sync.bfly`` maxima. Codes and scales are
-staged per warp in shared memory and written with 16-byte (codes) / 4-byte (scales) stores.
-Grid-stride loop over warp tiles (the host sizes the grid; ``n_ctas`` warps-tiles per step).
+end; 32-bit predicates from the tile's valid-chunk count). With ``pipe`` P > 0 the warp's tiles
+come instead through a ring of P tiles in shared memory filled by bulk copies (``cp.async.bulk``,
+one per tile, lane 0; ``_quantize_ptx.py`` ``ring_*``): P tiles stay in flight while the warp
+encodes, whatever its register budget. A scale block spans ``CPB`` consecutive lanes (NVFP4 2,
+MXFP4 4): its ``|x|`` max is a packed ``max.u16x2`` on the magnitude bits plus ``shfl.sync.bfly``
+maxima. NVFP4 with ``lut`` copies takes the per-block encode scale ``min(1 / (s g_dec), FLT_MAX)``
+from a shared table indexed by the E4M3 scale byte (one copy per bank: conflict-free), else
+computes it. Codes and scales are staged per warp in shared memory and written with 16-byte
+stores (``store_staged``; 4-byte stores for tiles under 512 bytes) / 4-byte scale stores; the
+swizzled scale offsets divide by ``K / 16`` with a magic multiply. Grid-stride loop over warp
+tiles (the host sizes the grid; ``n_ctas`` warp-tiles per step).
 
 Rounding (no float -> int convert anywhere): E2M1 by the magic-add encoder
 ``kernels_dsl/sm90/fp4.py:e2m1x8_encode``; E4M3 scale by ``cvt.rn.satfinite.e4m3x2.f32``; UE8M0
@@ -30,8 +37,8 @@ the NaN scale (UE8M0 0xFF / E4M3 0x7F) and zero codes; a non-finite NVFP4 device
 ``g_dec = g_enc = NaN`` and every block the NaN scale.
 
 Constraints: bf16 / fp16 input, contiguous; ``K % 16 == 0`` (NVFP4) / ``K % 32 == 0`` (MXFP4);
-every base pointer 16-byte aligned (torch allocations); ``M * K / 16 < 2^31`` (32-bit scale
-indices of the swizzled layout).
+every base pointer 16-byte aligned (torch allocations); ``M * K / 16 < 2^31`` and the swizzled
+scale tensor under 2^31 bytes (32-bit scale offsets).
 """
 from __future__ import annotations
 
@@ -44,12 +51,13 @@ try:
     from cutlass import Float32, Int32, Int64, Uint32
     from cutlass.memory import SmemAllocator
 
-    from ._quantize_ptx import (ABS_INF, F32_FLT_MAX, F32_INV6, F32_MX_FLOOR, F32_QNAN, bar_sync, bits_f32,
-                                chunk_absmax, e4m3_to_f32, e4m3x2, exp2_int, fdiv, floor_log2, fmax, fmin, fmul,
+    from ._quantize_ptx import (ABS_INF, F32_FLT_MAX, F32_INV6, F32_MX_FLOOR, F32_QNAN, bar_sync, bits_f32, f32_bits,
+                                chunk_absmax, clz, e4m3_to_f32, e4m3x2, exp2_int, fdiv, floor_log2, fmax, fmin, fmul,
                                 frcp, grid_arrive_wait, half_to_f32, l2_evict_first, l2_evict_last, ld_nc_b32,
-                                ld_nc_f32, ld_nc_v4_if, ld_nc_v4_if_any, ld_nc_v4_if_nohint, ld_relaxed_b32, lds_b32,
-                                lds_u8, lds_v4, redux_max, shfl_bfly_max, st_b32, st_f32, st_u8, st_v4, sts_b32,
-                                sts_b32_if, sts_u8, ue8m0_ceil_byte, umax, warp_sync, word_to_f32x2)
+                                ld_nc_f32, ld_nc_v4_if, ld_nc_v4_if_any, ld_relaxed_b32, lds_b32,
+                                lds_u8, redux_max, shfl_bfly_max, st_b32, st_f32, st_u8, store_staged,
+                                sts_b32, sts_b32_if, sts_u8, ue8m0_ceil_byte, umax, warp_sync, word_to_f32x2,
+                                ring_alloc, ring_init, ring_issue, ring_read)
     from .sm90.fp4 import e2m1x8_encode
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
@@ -74,6 +82,9 @@ class Fp4Config:
     warps: int = 8           # warps per CTA
     min_blocks: int = 0      # launch bound: CTAs per SM the registers must allow (0: compiler's choice)
     l2_hint: bool = True     # 16-byte loads with an L2 evict_first policy (else plain ld.global.nc)
+    lut: int = 32            # NVFP4: per-block encode scale from a shared table indexed by the E4M3 byte, with
+                             # `lut` copies (32: lane l reads copy l, conflict-free; 0: computed per block)
+    pipe: int = 0            # 0: register loads; 1/2/4: per-warp bulk-copy (TMA) ring of that many warp tiles in smem
 
     @property
     def cpb(self) -> int:    # chunks (lanes) per scale block
@@ -95,19 +106,17 @@ if _HAVE_DSL:
         ``cutlass.range`` cannot take a runtime step)."""
         return cutlass.max(stop - first + (stride - 1), stop - stop) // stride
 
-    def _load_tile(x, cb, lane, pol, n_chunks, qj: int, hint: bool = True, zero: bool = True):
-        """The ``qj`` 16-byte chunks ``cb + 32 j + lane`` of a warp tile; past ``n_chunks`` zeros
-        (``zero``) or undefined (values that are never stored); ``hint``: with the L2 policy ``pol``."""
-        out = []
-        for j in range(qj):
-            c = cb + (32 * j) + Int64(lane)
-            if not zero:
-                out.append(ld_nc_v4_if_any(x + c * 16, pol, Int32(c < n_chunks), hint))
-            elif hint:
-                out.append(ld_nc_v4_if(x + c * 16, pol, Int32(c < n_chunks)))
-            else:
-                out.append(ld_nc_v4_if_nohint(x + c * 16, Int32(c < n_chunks)))
-        return out
+    def _load_tile(x, cb, lane, pol, n_chunks, qj: int):
+        """The ``qj`` 16-byte chunks ``cb + 32 j + lane`` of a warp tile (L2 policy ``pol``), zeros past
+        ``n_chunks``."""
+        return [ld_nc_v4_if(x + (cb + (32 * j) + Int64(lane)) * 16, pol, Int32(cb + (32 * j) + Int64(lane) < n_chunks))
+                for j in range(qj)]
+
+    def _load_tile32(x, cb, lane, pol, rem, qj: int, hint: bool = True):
+        """The ``qj`` 16-byte chunks ``cb + 32 j + lane`` of a warp tile with ``rem`` valid chunks
+        (Int32, 32-bit predicate); the others undefined (values that are never stored)."""
+        return [ld_nc_v4_if_any(x + (cb + (32 * j) + Int64(lane)) * 16, pol, Int32((32 * j) + lane < rem), hint)
+                for j in range(qj)]
 
     def _block_max(v, red_addr, warp, lane, nw: int):
         """CTA-wide unsigned max (every thread calls; the result is in every thread). Straight-line
@@ -214,9 +223,27 @@ if _HAVE_DSL:
             stage = alloc.allocate_tensor(Uint32, cute.make_layout(cfg.warps * self.warp_bytes // 4), byte_alignment=16)
             red = alloc.allocate_tensor(Uint32, cute.make_layout(cfg.warps), byte_alignment=16)
             red_addr = red.iterator.toint()
+            lut = alloc.allocate_tensor(Uint32, cute.make_layout(128 * max(cfg.lut, 1)), byte_alignment=16)
+            lut_addr = lut.iterator.toint()
             sd = stage.iterator.toint() + warp * self.warp_bytes     # this warp's staged code words
             ss = sd + self.tile * 4                                  # this warp's staged scale bytes
             pol = l2_evict_first()
+            n_tiles = (n_chunks + (self.tile - 1)) // self.tile
+            t0 = Int64(bidx) * cfg.warps + Int64(warp)
+            stride = Int64(gdim) * cfg.warps
+            trips = _trips(t0, n_tiles, stride)
+            P = cfg.pipe if cfg.gs not in (GS_GRID, GS_FUSED) else 0
+            rbuf = Int32(0)
+            rbar = Int32(0)
+            if cutlass.const_expr(P > 0):
+                # bulk-copy ring of P warp tiles per warp (ring_alloc ...): P tiles in flight during the encode
+                rbuf, rbar = ring_alloc(alloc, cfg.warps, warp, P, self.tile * 16)
+                if lane == 0:
+                    ring_init(rbar, P)
+                warp_sync()
+                for s_ in cutlass.range_constexpr(P):
+                    if (lane == 0) & (Int64(s_) < trips):
+                        self._issue(rbuf, rbar, x, s_, Int64(s_), t0, stride, n_tiles, n_chunks, reverse, pol)
 
             g_dec = Float32(1.0)
             mult = Float32(1.0)
@@ -267,21 +294,42 @@ if _HAVE_DSL:
                     g_dec = frcp(g_enc)
                 mult = fmul(g_enc, bits_f32(Uint32(F32_INV6)))
                 gnan = Uint32(g_enc != g_enc)
+                if cutlass.const_expr(cfg.lut > 0):
+                    # enc of every E4M3 scale byte 0..127 (the block scale is >= 0): min(1 / (s g_dec), FLT_MAX);
+                    # byte 0 (s = 0) -> 0, so that x * enc = +-0 gives the sign-only code of the reference.
+                    # Entry i = byte * lut + copy.
+                    for i in cutlass.range(tidx, 128 * cfg.lut, 32 * cfg.warps, unroll=1):
+                        bq = Uint32(i // cfg.lut)
+                        el = fmin(frcp(fmul(e4m3_to_f32(bq), g_dec)), bits_f32(Uint32(F32_FLT_MAX)))
+                        sts_b32(lut_addr + i * 4, f32_bits(cutlass.select_(bq == Uint32(0), Float32(0.0), el)))
+                    bar_sync()
                 if bidx == 0:
                     if tidx == 0:
                         st_f32(gs_out, g_dec)
                         st_f32(gs_out + 4, g_enc)
 
-            n_tiles = (n_chunks + (self.tile - 1)) // self.tile
             n_blocks = n_chunks // self.cpb
-            t0 = Int64(bidx) * cfg.warps + Int64(warp)
-            stride = Int64(gdim) * cfg.warps
-            for it in cutlass.range(_trips(t0, n_tiles, stride), unroll=1):
+            kdiv_m = Int64(0)
+            kdiv_s = Int64(0)
+            if cutlass.const_expr(self.nv and cfg.swizzled):
+                # n // Ksf = (n * kdiv_m) >> kdiv_s for 0 <= n < 2^31 (Granlund-Montgomery, N = 31:
+                # l = ceil(log2 Ksf), kdiv_m = ceil(2^(31+l) / Ksf) < 2^32)
+                lg = Int64(Int32(32) - Int32(clz(Uint32(Ksf - 1))))
+                kdiv_s = lg + 31
+                kdiv_m = ((Int64(1) << kdiv_s) + Int64(Ksf - 1)) // Int64(Ksf)
+            for it in cutlass.range(trips, unroll=1):
                 t = t0 + it * stride
                 cb = cutlass.select_(reverse != 0, n_tiles - 1 - t, t) * self.tile
-                # (GS_GRID: the tile was loaded before the barrier; the grid covers every tile once)
-                ws = ws_pre if cutlass.const_expr(cfg.gs == GS_GRID) else _load_tile(x, cb, lane, pol, n_chunks, cfg.qj,
-                                                                                   cfg.l2_hint, zero=False)
+                rem = Int32(cutlass.min(n_chunks - cb, Int64(self.tile)))     # valid chunks of this tile
+                if cutlass.const_expr(cfg.gs == GS_GRID):
+                    ws = ws_pre      # (loaded before the grid barrier; the grid covers every tile once)
+                elif cutlass.const_expr(P > 0):
+                    slot, ws = ring_read(rbuf, rbar, P, self.tile * 16, it, lane, cfg.qj)
+                    warp_sync()
+                    if (lane == 0) & (it + P < trips):
+                        self._issue(rbuf, rbar, x, slot, it + P, t0, stride, n_tiles, n_chunks, reverse, pol)
+                else:
+                    ws = _load_tile32(x, cb, lane, pol, rem, cfg.qj, cfg.l2_hint)
                 for j in cutlass.range_constexpr(cfg.qj):
                     w = ws[j]
                     hb = chunk_absmax(w)
@@ -296,11 +344,15 @@ if _HAVE_DSL:
                     if cutlass.const_expr(self.nv):
                         # TE reference order: s = e4m3(min(vmax * (g_enc/6), 448)); enc = min(1/(s g_dec), FLT_MAX)
                         sf = fmin(fmul(vmax, mult), Float32(448.0))
-                        sbyte = e4m3x2(sf, Float32(0.0)) & Uint32(0xFF)
-                        s = e4m3_to_f32(sbyte)
-                        enc = fmin(frcp(fmul(s, g_dec)), bits_f32(Uint32(F32_FLT_MAX)))
-                        code = e2m1x8_encode(f, enc, w)
-                        code = cutlass.select_(s == Float32(0.0), code & Uint32(0x88888888), code)
+                        sbyte = e4m3x2(sf, Float32(0.0))                      # (byte 1 = e4m3(0) = 0)
+                        if cutlass.const_expr(cfg.lut > 0):
+                            li = sbyte * cfg.lut + (lane % cfg.lut)
+                            code = e2m1x8_encode(f, bits_f32(lds_b32(lut_addr + li * 4)), w)
+                        else:
+                            s = e4m3_to_f32(sbyte)
+                            enc = fmin(frcp(fmul(s, g_dec)), bits_f32(Uint32(F32_FLT_MAX)))
+                            code = e2m1x8_encode(f, enc, w)
+                            code = cutlass.select_(s == Float32(0.0), code & Uint32(0x88888888), code)
                         nan_byte = 0x7F
                     else:
                         if cutlass.const_expr(cfg.rule == "dsv4"):
@@ -322,16 +374,8 @@ if _HAVE_DSL:
                         sts_u8(ss + ci // self.cpb, sbyte)
                 warp_sync()
                 full = cb + self.tile <= n_chunks
-                # ---- codes: staged words -> 16-byte stores (512 contiguous bytes per warp instruction)
-                dbase = data + cb * 4
-                if full:
-                    for iv in cutlass.range_constexpr(self.tile // 128):
-                        qv = lds_v4(sd + (32 * iv + lane) * 16)
-                        st_v4(dbase + Int64(32 * iv + lane) * 16, qv[0], qv[1], qv[2], qv[3])
-                else:
-                    for iw in cutlass.range_constexpr(self.tile // 32):
-                        if Int64(32 * iw + lane) < n_chunks - cb:
-                            st_b32(dbase + Int64(32 * iw + lane) * 4, lds_b32(sd + (32 * iw + lane) * 4))
+                # ---- codes: one word per chunk, staged -> 16-byte stores (store_staged)
+                store_staged(data + cb * 4, sd, lane, self.tile * 4, full, n_chunks - cb)
                 # ---- scales
                 bb = cb // self.cpb
                 nbv = n_blocks - bb
@@ -340,7 +384,8 @@ if _HAVE_DSL:
                         g0 = Int32(bb) + 4 * lane
                         if Ksf % 4 == 0:            # a group of 4 never straddles rows: one 4-byte store
                             if Int64(4 * lane) < nbv:
-                                st_b32(scale + self._swz(g0 // Ksf, g0 - (g0 // Ksf) * Ksf, Kt), lds_b32(ss + 4 * lane))
+                                r0 = Int32((Int64(g0) * kdiv_m) >> kdiv_s)     # g0 // Ksf (magic multiply)
+                                st_b32(scale + self._swz32(r0, g0 - r0 * Ksf, Kt), lds_b32(ss + 4 * lane))
                         else:
                             for bq in cutlass.range_constexpr(4):
                                 if Int64(4 * lane + bq) < nbv:
@@ -371,6 +416,20 @@ if _HAVE_DSL:
                     i2 = gt + k2 * GT
                     st_u8(scale + self._swz(i2 // padc, Ksf + (i2 - (i2 // padc) * padc), Kt), Uint32(0))
 
+        def _issue(self, rbuf, rbar, x, slot, i, t0, stride, n_tiles, n_chunks, reverse, pol):
+            """Bulk-copy this warp's tile number ``i`` (grid-stride order) into ring slot ``slot``."""
+            t = t0 + i * stride
+            cb = cutlass.select_(reverse != 0, n_tiles - 1 - t, t) * self.tile
+            nb = Int32(cutlass.min(n_chunks - cb, Int64(self.tile))) * 16
+            ring_issue(rbuf, rbar, self.tile * 16, slot, x + cb * 16, nb, pol)
+
+        @staticmethod
+        def _swz32(m, k, Kt):
+            """:meth:`_swz` in 32-bit arithmetic (every offset < 2^31: ``M K / 16 < 2^31``), widened."""
+            m = Int32(m)
+            k = Int32(k)
+            return Int64(((m >> 7) * Kt + (k >> 2)) * 512 + (m & 31) * 16 + ((m >> 5) & 3) * 4 + (k & 3))
+
         @staticmethod
         def _swz(m, k, Kt):
             """Byte offset (Int64) of linear scale (m, k) in the 128x4 layout (dsv4.formats.swizzled_sf_offset)."""
@@ -381,9 +440,9 @@ if _HAVE_DSL:
 
 # ------------------------------------------------------------------------------ CPU compile checks
 #: What every compiled variant's PTX must contain (tests/test_compile_dsl.py): 16-byte read-only loads
-#: with an L2 policy, 16-byte or 4-byte stores, packed |x| max.
-PTX_PATTERNS = (r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32", r"st\.global\.(v4\.)?b32",
-                r"max\.u16x2")
+#: with an L2 policy (or, with a ring, bulk copies), 16-byte or 4-byte stores, packed |x| max.
+PTX_PATTERNS = (r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32|cp\.async\.bulk\.shared::cluster\.global",
+                r"st\.global\.(v4\.)?b32", r"max\.u16x2")
 #: What none may contain: flush-to-zero (subnormal scales / values), float -> int conversions (the
 #: roundings are magic adds), local memory.
 PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
@@ -396,6 +455,8 @@ CHECK_VARIANTS = {
     "nvfp4-bf16-swz-grid": dict(fmt="nvfp4", swizzled=True, gs=GS_GRID, warps=4),
     "mxfp4-bf16-dsv4": dict(fmt="mxfp4"),
     "mxfp4-fp16-ocp-qj4": dict(fmt="mxfp4", in_dtype="float16", rule="ocp", qj=4),
+    "nvfp4-bf16-swz-given-qj1": dict(fmt="nvfp4", swizzled=True, gs=GS_GIVEN, qj=1, warps=4, lut=0),
+    "nvfp4-bf16-lin-given-ring-lut": dict(fmt="nvfp4", gs=GS_GIVEN, qj=8, warps=4, pipe=2, lut=32),
 }
 
 

@@ -7,13 +7,15 @@ dequantize_fp8_block.md.
   or that power of two's UE8M0 byte. Mapping as ``kernels_dsl/quantize_fp4.py``: warp tiles of
   ``32 * QJ`` 16-byte chunks, lane ``l`` loads chunk ``32 j + l`` (512 contiguous bytes per warp
   load), a block spans ``block / 8`` lanes (``shfl.sync.bfly`` max), E4M3 bytes staged per warp in
-  shared memory and written with 16-byte stores. ``q = e4m3(x / s)`` with ``x / s`` correctly
-  rounded (fp32 scale: Markstein, ``RN(1/s)``, one exact ``fma`` residual, one ``fma``; power-of-two
-  scale: ``x * (1/s)``, exact reciprocal, the same single rounding), then
-  ``cvt.rn.satfinite.e4m3x2.f32`` (clamps to +-448).
+  shared memory and written with 16-byte stores (``store_staged``). ``q = e4m3(x / s)`` with ``x / s``
+  correctly rounded (fp32 scale: Markstein in 3 instructions, ``_quantize_ptx.py`` ``div_rn_by3``;
+  power-of-two scale: ``x * (1/s)``, exact reciprocal, the same single rounding), then
+  ``cvt.rn.satfinite.e4m3x2.f32`` (clamps to +-448). Loads as quantize_fp4.py (registers, or the
+  ``pipe`` bulk-copy ring).
   Non-finite inputs (``dsv4.formats.fp8``, unchanged by issue 19 item 13): the block amax counts
-  finite elements only; Inf -> +-448, NaN -> 0x7F. A chunk holding an Inf / NaN takes a
-  rarely-run branch (finite-only amax, byte patch); finite data never enters it.
+  finite elements only; Inf -> +-448, NaN -> 0x7F. A warp tile holding an Inf / NaN takes one
+  warp-uniform branch (``vote.any``) to the patching code (finite-only amax, byte patch); finite
+  tiles never issue it (as predicated code it cost ~50 instructions per chunk).
 * :class:`Fp8DequantKernel` -- E4M3 ``[M, K]`` + fp32 / UE8M0 scales -> bf16 / fp16 / fp32:
   ``out = e4m3(q) * s`` in fp32 (``cvt.rn.f16x2.e4m3x2``, exact), one rounding to the output
   dtype. A lane converts units of 16 output bytes (8 values for bf16/fp16 from an 8-byte load, 4
@@ -33,16 +35,17 @@ try:
     from cutlass import Int32, Int64, Uint32
     from cutlass.memory import SmemAllocator
 
-    from ._quantize_ptx import (ABS_INF, F32_1EM4, F32_INV448, bits_f32, chunk_absmax, div_rn_by, e4m3x2,
-                               e4m3x2_to_f32x2, f32_to_bf16x2, f32_to_f16x2, f32_bits, finite_chunk_absmax, fmax,
+    from ._quantize_ptx import (ABS_INF, F32_1EM4, F32_INV448, bits_f32, chunk_absmax, div_rn_by3, e4m3x2,
+                               e4m3x2_to_f32x2, f32_bits, f32_to_bf16x2, f32_to_f16x2, finite_chunk_absmax, fmax,
                                fmul, frcp, half_to_f32, l2_evict_first, ld_nc_b32_if, ld_nc_u8_if, ld_nc_v2_if,
-                               ld_nc_v4_if_any, lds_b32, lds_u8, lds_v4, shfl_bfly_max, st_b32, st_u8, st_v4, st_v4_if,
-                               sts_b32, sts_u8, sts_v2, ue8m0_ceil_byte, warp_sync, word_to_f32x2)
+                               ld_nc_v4_if_any, lds_b32, lds_u8, ring_alloc, ring_init, ring_issue, ring_read,
+                               shfl_bfly_max, st_b32, st_u8, st_v4_if, store_staged, sts_b32, sts_u8, sts_v2,
+                               ue8m0_ceil_byte, vote_any, warp_sync, word_to_f32x2)
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
 
-__all__ = ["Fp8Config", "Fp8QuantizeKernel", "Fp8DqConfig", "Fp8DequantKernel"]
+__all__ = ["Fp8Config", "Fp8QuantizeKernel", "Fp8DqConfig", "Fp8DequantKernel", "SCALE_FP32", "SCALE_POW2_F32", "SCALE_UE8M0"]
 
 #: scale outputs of the quantizer: fp32 amax/448 | fp32 power of two | UE8M0 byte
 SCALE_FP32, SCALE_POW2_F32, SCALE_UE8M0 = 0, 1, 2
@@ -59,6 +62,7 @@ class Fp8Config:
     warps: int = 8
     min_blocks: int = 0          # launch bound: CTAs per SM the registers must allow (0: compiler's choice)
     l2_hint: bool = True         # 16-byte loads with an L2 evict_first policy (else plain ld.global.nc)
+    pipe: int = 0                # 0: register loads; 1/2/4: per-warp bulk-copy ring of that many warp tiles
 
 
 @dataclass(frozen=True)
@@ -126,8 +130,8 @@ if _HAVE_DSL:
             gdim, _, _ = cute.arch.grid_dim()
             lane = tidx % 32
             warp = tidx // 32
-            stage = SmemAllocator().allocate_tensor(Uint32, cute.make_layout(cfg.warps * self.warp_bytes // 4),
-                                                    byte_alignment=16)
+            alloc = SmemAllocator()
+            stage = alloc.allocate_tensor(Uint32, cute.make_layout(cfg.warps * self.warp_bytes // 4), byte_alignment=16)
             sd = stage.iterator.toint() + warp * self.warp_bytes
             ss = sd + self.tile * 8
             pol = l2_evict_first()
@@ -135,79 +139,116 @@ if _HAVE_DSL:
             n_blocks = n_chunks // self.cpb
             t0 = Int64(bidx) * cfg.warps + Int64(warp)
             stride = Int64(gdim) * cfg.warps
-            for it in cutlass.range(_trips(t0, n_tiles, stride), unroll=1):
+            trips = _trips(t0, n_tiles, stride)
+            P = cfg.pipe
+            rbuf = Int32(0)
+            rbar = Int32(0)
+            if cutlass.const_expr(P > 0):
+                rbuf, rbar = ring_alloc(alloc, cfg.warps, warp, P, self.tile * 16)
+                if lane == 0:
+                    ring_init(rbar, P)
+                warp_sync()
+                for s_ in cutlass.range_constexpr(P):
+                    if (lane == 0) & (Int64(s_) < trips):
+                        self._issue(rbuf, rbar, x, s_, Int64(s_), t0, stride, n_chunks, pol)
+            for it in cutlass.range(trips, unroll=1):
                 cb = (t0 + it * stride) * self.tile
+                rem = Int32(cutlass.min(n_chunks - cb, Int64(self.tile)))     # valid chunks of this tile
                 ws = []
+                if cutlass.const_expr(P > 0):
+                    slot, ws = ring_read(rbuf, rbar, P, self.tile * 16, it, lane, cfg.qj)
+                    warp_sync()
+                    if (lane == 0) & (it + P < trips):
+                        self._issue(rbuf, rbar, x, slot, it + P, t0, stride, n_chunks, pol)
+                else:
+                    for j in cutlass.range_constexpr(cfg.qj):
+                        c = cb + (32 * j) + Int64(lane)
+                        # past n_chunks the values are undefined: whole blocks are in or out of range, and
+                        # out-of-range results are never stored
+                        ws.append(ld_nc_v4_if_any(x + c * 16, pol, Int32((32 * j) + lane < rem), cfg.l2_hint))
+                # one warp-uniform branch per tile: a finite tile never runs the non-finite patch code
+                nf = Uint32(0)
                 for j in cutlass.range_constexpr(cfg.qj):
-                    c = cb + (32 * j) + Int64(lane)
-                    # past n_chunks the values are undefined: whole blocks are in or out of range, and
-                    # out-of-range results are never stored
-                    ws.append(ld_nc_v4_if_any(x + c * 16, pol, Int32(c < n_chunks), cfg.l2_hint))
-                for j in cutlass.range_constexpr(cfg.qj):
-                    w = ws[j]
-                    hraw = chunk_absmax(w)
-                    hb = hraw
-                    if hraw >= Uint32(self.abs_inf):      # rare: Inf / NaN in this chunk
-                        hb = finite_chunk_absmax(w, self.abs_inf)
-                    for o in cutlass.range_constexpr(self.cpb.bit_length() - 1):
-                        hb = shfl_bfly_max(hb, 1 << o)
-                    # s = max(amax, 1e-4) * fp32(1/448) [ue8m0: 2^ceil(log2(.))]
-                    s = fmul(fmax(half_to_f32(hb, self.fp16), bits_f32(Uint32(F32_1EM4))), bits_f32(Uint32(F32_INV448)))
-                    sbyte = Uint32(0)
-                    if cutlass.const_expr(cfg.scale != SCALE_FP32):
-                        sbyte = ue8m0_ceil_byte(s)
-                        s = bits_f32(sbyte << 23)
-                    r = frcp(s)
-                    qv = []
-                    for k in cutlass.range_constexpr(4):
-                        a, b = word_to_f32x2(w[k], self.fp16)
-                        if cutlass.const_expr(cfg.scale == SCALE_FP32):
-                            qv.append(e4m3x2(div_rn_by(a, s, r), div_rn_by(b, s, r)))
-                        else:
-                            # s = 2^k: x / s = x * 2^-k exactly rounded once (r = 1/s is exact), one mul.rn
-                            qv.append(e4m3x2(fmul(a, r), fmul(b, r)))
-                    p0 = Uint32(qv[0] | (qv[1] << 16))
-                    p1 = Uint32(qv[2] | (qv[3] << 16))
-                    if hraw >= Uint32(self.abs_inf):
-                        pp = _patch_nonfinite((p0, p1), w, self.abs_inf)
-                        p0 = Uint32(pp[0])
-                        p1 = Uint32(pp[1])
-                    ci = 32 * j + lane
-                    sts_v2(sd + ci * 8, p0, p1)
-                    if lane % self.cpb == 0:
-                        if cutlass.const_expr(cfg.scale == SCALE_UE8M0):
-                            sts_u8(ss + ci // self.cpb, sbyte)
-                        else:
-                            sts_b32(ss + (ci // self.cpb) * 4, f32_bits(s))
+                    nf = nf | Uint32(chunk_absmax(ws[j]) >= Uint32(self.abs_inf))
+                if vote_any(Int32(nf)) != Uint32(0):     # rare: an Inf / NaN somewhere in this warp tile
+                    self._chunks(ws, lane, sd, ss, True)
+                else:
+                    self._chunks(ws, lane, sd, ss, False)
                 warp_sync()
                 full = cb + self.tile <= n_chunks
-                dbase = q + cb * 8
-                if full:
-                    for iv in cutlass.range_constexpr(self.tile // 64):
-                        qq = lds_v4(sd + (32 * iv + lane) * 16)
-                        st_v4(dbase + Int64(32 * iv + lane) * 16, qq[0], qq[1], qq[2], qq[3])
-                else:
-                    for iw in cutlass.range_constexpr(self.tile // 16):
-                        if Int64((32 * iw + lane) // 2) < n_chunks - cb:
-                            st_b32(dbase + Int64(32 * iw + lane) * 4, lds_b32(sd + (32 * iw + lane) * 4))
+                # ---- E4M3 bytes: two words per chunk, staged -> 16-byte stores (store_staged)
+                store_staged(q + cb * 8, sd, lane, self.tile * 8, full, 2 * (n_chunks - cb))
+                # ---- scales: whole words for a full tile whose scales fill words, else one store per block
                 bb = cb // self.cpb
                 nbv = n_blocks - bb
                 nwords = self.blk_per_tile * self.sbytes // 4       # staged scale words of a full tile
-                if full:
-                    for isw in cutlass.range_constexpr((nwords + 31) // 32):
-                        if 32 * isw + lane < nwords:
-                            st_b32(scale + bb * self.sbytes + Int64(32 * isw + lane) * 4,
-                                   lds_b32(ss + (32 * isw + lane) * 4))
+                if cutlass.const_expr(nwords * 4 == self.blk_per_tile * self.sbytes):
+                    if full:
+                        for isw in cutlass.range_constexpr((nwords + 31) // 32):
+                            if 32 * isw + lane < nwords:
+                                st_b32(scale + bb * self.sbytes + Int64(32 * isw + lane) * 4,
+                                       lds_b32(ss + (32 * isw + lane) * 4))
+                    else:
+                        self._scales_per_block(scale, ss, bb, nbv, lane)
                 else:
-                    for isb in cutlass.range_constexpr((self.blk_per_tile + 31) // 32):
-                        if 32 * isb + lane < self.blk_per_tile:
-                            if Int64(32 * isb + lane) < nbv:
-                                if cutlass.const_expr(cfg.scale == SCALE_UE8M0):
-                                    st_u8(scale + bb + Int64(32 * isb + lane), lds_u8(ss + 32 * isb + lane))
-                                else:
-                                    st_b32(scale + bb * 4 + Int64(32 * isb + lane) * 4,
-                                           lds_b32(ss + (32 * isb + lane) * 4))
+                    self._scales_per_block(scale, ss, bb, nbv, lane)
                 warp_sync()
+
+        def _issue(self, rbuf, rbar, x, slot, i, t0, stride, n_chunks, pol):
+            cb = (t0 + i * stride) * self.tile
+            ring_issue(rbuf, rbar, self.tile * 16, slot, x + cb * 16, Int32(cutlass.min(n_chunks - cb, Int64(self.tile))) * 16, pol)
+
+        @cute.jit
+        def _scales_per_block(self, scale, ss, bb, nbv, lane):
+            """Staged scales of a warp tile, one store per block (the first ``nbv`` blocks)."""
+            for isb in cutlass.range_constexpr((self.blk_per_tile + 31) // 32):
+                if 32 * isb + lane < self.blk_per_tile:
+                    if Int64(32 * isb + lane) < nbv:
+                        if cutlass.const_expr(self.cfg.scale == SCALE_UE8M0):
+                            st_u8(scale + bb + Int64(32 * isb + lane), lds_u8(ss + 32 * isb + lane))
+                        else:
+                            st_b32(scale + bb * 4 + Int64(32 * isb + lane) * 4, lds_b32(ss + (32 * isb + lane) * 4))
+
+        @cute.jit
+        def _chunks(self, ws, lane, sd, ss, slow: cutlass.Constexpr):
+            """Quantize the ``qj`` chunks of a warp tile into the staging buffers; ``slow``: every chunk
+            through the non-finite path (finite-only amax, byte patch), else none (a finite tile)."""
+            cfg = self.cfg
+            for j in cutlass.range_constexpr(cfg.qj):
+                w = ws[j]
+                hb = chunk_absmax(w)
+                if cutlass.const_expr(slow):
+                    hb = finite_chunk_absmax(w, self.abs_inf)
+                for o in cutlass.range_constexpr(self.cpb.bit_length() - 1):
+                    hb = shfl_bfly_max(hb, 1 << o)
+                # s = max(amax, 1e-4) * fp32(1/448) [ue8m0: 2^ceil(log2(.))]
+                s = fmul(fmax(half_to_f32(hb, self.fp16), bits_f32(Uint32(F32_1EM4))), bits_f32(Uint32(F32_INV448)))
+                sbyte = Uint32(0)
+                if cutlass.const_expr(cfg.scale != SCALE_FP32):
+                    sbyte = ue8m0_ceil_byte(s)
+                    s = bits_f32(sbyte << 23)
+                r = frcp(s)
+                qv = []
+                for k in cutlass.range_constexpr(4):
+                    a, b = word_to_f32x2(w[k], self.fp16)
+                    if cutlass.const_expr(cfg.scale == SCALE_FP32):
+                        qv.append(e4m3x2(div_rn_by3(a, s, r), div_rn_by3(b, s, r)))
+                    else:
+                        # s = 2^k: x / s = x * 2^-k exactly rounded once (r = 1/s is exact), one mul.rn
+                        qv.append(e4m3x2(fmul(a, r), fmul(b, r)))
+                p0 = Uint32(qv[0] | (qv[1] << 16))
+                p1 = Uint32(qv[2] | (qv[3] << 16))
+                if cutlass.const_expr(slow):
+                    pp = _patch_nonfinite((p0, p1), w, self.abs_inf)
+                    p0 = Uint32(pp[0])
+                    p1 = Uint32(pp[1])
+                ci = 32 * j + lane
+                sts_v2(sd + ci * 8, p0, p1)
+                if lane % self.cpb == 0:
+                    if cutlass.const_expr(cfg.scale == SCALE_UE8M0):
+                        sts_u8(ss + ci // self.cpb, sbyte)
+                    else:
+                        sts_b32(ss + (ci // self.cpb) * 4, f32_bits(s))
 
     def _dq_unit(words, s, f32: bool, bf16: bool):
         """E4M3 bytes of ``words`` times ``s`` (fp32, exact decode, ``mul.rn``) -> 4 output words
@@ -282,14 +323,16 @@ if _HAVE_DSL:
 
 
 # ------------------------------------------------------------------------------ CPU compile checks
-#: every variant: 16-byte stores, exact E4M3 converts; no flush-to-zero, no float -> int, no local memory
-PTX_PATTERNS = (r"st\.global\.v4\.b32", r"cvt\.rn\.(satfinite\.e4m3x2\.f32|f16x2\.e4m3x2)")
+#: every variant: 16-byte (4-byte for tiles under 512 bytes) stores, exact E4M3 converts; no flush-to-zero, no float -> int, no local memory
+PTX_PATTERNS = (r"st\.global\.(v4\.)?b32", r"cvt\.rn\.(satfinite\.e4m3x2\.f32|f16x2\.e4m3x2)")
 PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
 
 CHECK_VARIANTS = {
     "quant-bf16-b128-fp32": ("q", dict(block=128, scale=SCALE_FP32)),
     "quant-fp16-b32-ue8m0": ("q", dict(block=32, scale=SCALE_UE8M0, in_dtype="float16")),
     "quant-bf16-b64-pow2-qj4": ("q", dict(block=64, scale=SCALE_POW2_F32, qj=4)),
+    "quant-bf16-b128-ue8m0-qj1": ("q", dict(block=128, scale=SCALE_UE8M0, qj=1, warps=4)),
+    "quant-bf16-b128-fp32-ring": ("q", dict(block=128, scale=SCALE_FP32, qj=8, warps=4, pipe=2)),
     "dequant-b128-fp32-bf16": ("d", dict(block=128, ue8m0=False, out_dtype="bfloat16")),
     "dequant-b32-ue8m0-f32": ("d", dict(block=32, ue8m0=True, out_dtype="float32")),
     "dequant-b64-fp32-f16": ("d", dict(block=64, ue8m0=False, out_dtype="float16")),

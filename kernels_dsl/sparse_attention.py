@@ -25,7 +25,7 @@ from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, current_stream, dl
+from ._compile import DslProvider, compile_cached, current_stream, dl, f32, i32
 
 __all__ = ["DslSparseAttention", "sparse_attention_dsl", "PROVIDERS", "SplitConfig", "choose_config", "compile_check", "PTX_PATTERNS"]
 
@@ -112,7 +112,6 @@ def sparse_attention_dsl(q, swa_cache, swa_indices, swa_lens, sink, cache, indic
 def _launch(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale, num_splits, out, lse):
     """One launch of the fwd kernel (+ the combine with KV splits) for ``1 <= T <= MAX_ROWS_PER_LAUNCH`` rows."""
     import torch
-    from cutlass import Float32, Int32
 
     from dsv4.target import Target
 
@@ -145,9 +144,9 @@ def _launch(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, sca
     else:
         o_arg, l_arg = t(out), t(lse, 4)
     args = (t(q), cache_base(swa_cache), t(swa_indices, 4), t(swa_lens, 4), cache_base(cache), t(indices, 4),
-            t(lens, 4), t(sink, 4), o_arg, l_arg, Int32(sbs), Int32(swa_cache.shape[0] * sbs), Int32(cbs),
-            Int32(cache.shape[0] * cbs), Float32(float(scale) * LOG2E), Int32(cfg.tiles_per_split),
-            Int32(cfg.num_splits))
+            t(lens, 4), t(sink, 4), o_arg, l_arg, i32(sbs), i32(swa_cache.shape[0] * sbs), i32(cbs),
+            i32(cache.shape[0] * cbs), f32(float(scale) * LOG2E), i32(cfg.tiles_per_split),
+            i32(cfg.num_splits))
     with torch.cuda.device(dev):
         fwd(*args, current_stream())
         if split:

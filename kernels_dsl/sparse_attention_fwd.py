@@ -466,7 +466,11 @@ if _HAVE_DSL:
                             mLse[split, t, h] = lse
                         else:
                             mLse[t, h] = lse
-            cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)
+            cute.arch.sync_warp()          # reconverge after the wtid % 4 / h < H stores (aligned bar.arrive)
+            # sOScale published to WG1: arrive only (WG0 reads no smem after this; one tile per CTA), the
+            # producer / consumer form of BAR_P_READY; two bar.sync instructions of one barrier in two code
+            # paths are what compute-sanitizer synccheck reports as divergent threads in the block
+            cute.arch.barrier_arrive(barrier_id=BAR_EPI, number_of_threads=256)
             self._store_o(acc_o, thr_pv, mO, t, hblk, split, H, 0)
 
         # ------------------------------------------------------------------ consumer 1

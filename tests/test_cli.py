@@ -142,7 +142,6 @@ def test_run_inputs_only_for_csa(tmp_path):
 
 
 def _write_inputs(path, B=1, S=512, next_n=1, drop=None, bad_shape=None):
-    import torch
     from safetensors.torch import save_file
     from dsv4.data import attention_kv, indexer_inputs
     inp = indexer_inputs(next_n, S, seed=3)

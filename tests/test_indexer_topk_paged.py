@@ -323,13 +323,13 @@ def test_gpu_fused_ties_and_short_rows(cuda_device):
 
 @pytest.mark.gpu
 def test_gpu_public_op_fused_path_graph_and_recall(cuda_device):
-    """The public op on a batch that takes the fused path (B=8 x 16384 entries, next_n 1): bitwise the
+    """The public op on a batch that takes the fused path (B=8 x 32768 entries, next_n 1): bitwise the
     two ops in sequence, graph capture, and the path choice itself."""
     from dsv4.ops.indexer import TOPK_PAGED_OP
     from dsv4.target import Target
     from kernels_dsl.indexer import DslTopkPagedFused
     dev = cuda_device
-    B, n, bs = 8, 16384, 64
+    B, n, bs = 8, 32768, 64
     g = torch.Generator(device=dev).manual_seed(9)
     nb = B * n // bs
     cache = torch.randint(0, 256, (nb, bs, 68), dtype=torch.uint8, device=dev, generator=g)

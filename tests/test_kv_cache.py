@@ -11,7 +11,6 @@ Oracles independent of dsv4.reference.kv_cache:
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -1,32 +1,12 @@
-"""kernels_cuda/nvrtc.py launch helpers that need no GPU: the cached launch shapes and the
-parameter packing of the direct driver path (``FAST_LAUNCH``; its GPU check is job shape-02)."""
+"""kernels_cuda/nvrtc.py launch helpers that need no GPU: argument conversion and checks, the cached
+launch shapes (the launch itself runs in every GPU test of a cuda provider)."""
 from __future__ import annotations
-
-import ctypes
 
 import numpy as np
 import pytest
+import torch
 
 from kernels_cuda import nvrtc
-
-
-@pytest.mark.parametrize("codes,values", [
-    (("P", "q", "i", "P", "i", "f"), [0x1234, -(1 << 40), 7, 0xDEADBEEF00, -1, 1.5]),
-    (("i", "P"), [3, 0x10]),                      # pointer after an int: padded to 8
-    (("B", "H", "I", "Q", "f", "?"), [200, 60000, 4000000000, (1 << 63) + 5, 2.25, True]),
-    ((), []),
-])
-def test_packer_places_each_parameter_at_its_natural_alignment(codes, values):
-    p = nvrtc._Packer(codes)
-    params = p.pack(values)
-    ct = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float, "B": ctypes.c_uint8,
-          "H": ctypes.c_uint16, "I": ctypes.c_uint32, "Q": ctypes.c_uint64, "?": ctypes.c_bool}
-    base = ctypes.addressof(p.buf)
-    for i, (c, v) in enumerate(zip(codes, values)):
-        addr = params[i]
-        assert (addr - base) % ctypes.sizeof(ct[c]) == 0, (c, addr - base)
-        assert ct[c].from_address(addr).value == v, (c, v)
-    assert p.pack(values) is params                # the buffer is reused (the driver copies at launch)
 
 
 def test_launch_rejects_bare_python_numbers_before_anything_else():
@@ -34,7 +14,35 @@ def test_launch_rejects_bare_python_numbers_before_anything_else():
         nvrtc.launch(object(), 1, 32, np.int32(1), 5)
     with pytest.raises(TypeError, match="bare Python float"):
         nvrtc.launch(object(), 1, 32, 1.0)
+    with pytest.raises(TypeError, match="argument 0 is a bare Python bool"):
+        nvrtc.launch(object(), 1, 32, True)
 
 
-def test_dims_pad_to_three():
-    assert nvrtc._dims(4) == (4, 1, 1) and nvrtc._dims((2, 3)) == (2, 3, 1) and nvrtc._dims([1, 2, 3]) == (1, 2, 3)
+def test_launch_passes_tensors_as_pointers_and_keeps_the_rest(monkeypatch):
+    seen = []
+    monkeypatch.setattr(nvrtc, "_core_launch", lambda *a: seen.append(a))
+    monkeypatch.setattr(nvrtc, "_stream", lambda: "stream")
+    monkeypatch.setattr(nvrtc, "_config", lambda *a: a)
+    x = torch.zeros(4)
+    desc = object()                                     # e.g. a TensorMapDescriptor: passed through
+    nvrtc.launch("k", 3, 64, x, np.int32(-7), np.int64(1 << 40), desc, x[1:], smem=128, cluster=2)
+    (a,) = seen
+    assert a[:3] == ("stream", (3, 64, 128, 2), "k")
+    assert a[3] == x.data_ptr() and a[4] == np.int32(-7) and type(a[4]) is np.int32 and type(a[5]) is np.int64
+    assert a[6] is desc and a[7] == x.data_ptr() + 4
+
+
+def test_launch_configs_are_built_once_per_shape(monkeypatch):
+    import cuda.core
+    built = []
+
+    class LC:
+        def __init__(self, **kw):
+            built.append(kw)
+    monkeypatch.setattr(cuda.core, "LaunchConfig", LC)
+    monkeypatch.setattr(nvrtc, "_configs", {})
+    c1 = nvrtc._config(4, 128, 0, None)
+    assert nvrtc._config(4, 128, 0, None) is c1 and len(built) == 1
+    c2 = nvrtc._config([2, 2], (128, 1), 1024, [2, 1])   # lists are keyed as tuples
+    assert nvrtc._config((2, 2), [128, 1], 1024, (2, 1)) is c2 and c2 is not c1
+    assert built[1] == {"grid": [2, 2], "block": (128, 1), "shmem_size": 1024, "cluster": [2, 1]}

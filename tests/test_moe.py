@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from dsv4.formats import quantize_mxfp4, quantize_nvfp4, swizzle_sf_128x4
 from dsv4.layout import LayoutError
 from dsv4.ops import moe
-from dsv4.reference.moe import dequant_fp4_weight, moe_layer_ref, route_ref
+from dsv4.reference.moe import dequant_fp4_weight, moe_layer_ref
 
 
 def _rel(a, b):
@@ -404,11 +404,10 @@ def test_device_lo_lut_emulation():
 
 
 # ------------------------------------------------------------------------------------- GPU
-#: grouped-GEMM providers the GPU tests of prefill-sized groups run (DSV4_MOE_TEST_VERSIONS,
-#: dsv4/config.py): the registry sends those to ``dsl`` (the cuda provider, kernels_cuda/moe.py, is
-#: decode-only and declines them); decode-sized groups are tested on both providers below and in
-#: tests/test_moe_decode.py.
-_GPU_VERSIONS = [v for v in __import__("os").environ.get("DSV4_MOE_TEST_VERSIONS", "dsl").split(",") if v]
+#: grouped-GEMM providers the GPU tests of prefill-sized groups run: the registry sends those to
+#: ``dsl`` (the cuda provider, kernels_cuda/moe.py, is decode-only and declines them); decode-sized
+#: groups are tested on both providers below and in tests/test_moe_decode.py.
+_GPU_VERSIONS = ["dsl"]
 
 
 @pytest.fixture(params=_GPU_VERSIONS)
@@ -464,6 +463,31 @@ def test_gpu_small_layer_every_variant(fmt, act, layout, kver):
     assert _rel(out, ref) < (1e-2 if act == "fp8" else 3e-3)
 
 
+def gemms_and_oracles(g, W, prov, max_m=None):
+    """GEMM1 + GEMM2 of grouping ``g`` on provider ``prov``, and the torch oracles on the same inputs
+    (the GEMM2 oracle on the provider's own ``h``): ``(h, h_s, y, h_ref, h_s_ref, y_ref)``."""
+    from dsv4.registry import use
+    with use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
+        h, h_s = moe.moe_gemm1_swiglu(g, W, max_m=max_m)
+        y = moe.moe_gemm2(h, h_s, g, W, max_m=max_m)
+    with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
+        h_ref, h_s_ref = moe.moe_gemm1_swiglu(g, W)
+        y_ref = moe.moe_gemm2(h, h_s, g, W)
+    return h, h_s, y, h_ref, h_s_ref, y_ref
+
+
+def capture_replay(fn):
+    """``(fn(), the same call captured in a CUDA graph and replayed)``: both outputs, synchronized."""
+    out = fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out, out_g
+
+
 def _maxrel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
@@ -498,13 +522,7 @@ def test_gpu_w4a8_gemms_within_contract_given_inputs(fmt, kver):
     x = make_x(T, D, device=dev)
     idx, w = random_routing(T, E, k, device=dev)
     g = moe.moe_permute(x, idx, w, E, act="fp8")
-    from dsv4.registry import use
-    with use(moe_gemm1_swiglu=kver, moe_gemm2=kver):
-        h, h_s = moe.moe_gemm1_swiglu(g, W)
-        y = moe.moe_gemm2(h, h_s, g, W)
-    with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
-        h_ref, h_s_ref = moe.moe_gemm1_swiglu(g, W)
-        y_ref = moe.moe_gemm2(h, h_s, g, W)
+    h, h_s, y, h_ref, h_s_ref, y_ref = gemms_and_oracles(g, W, kver)
     hd = h.float() * h_s.repeat_interleave(128, 1)
     hd_ref = h_ref.float() * h_s_ref.repeat_interleave(128, 1)
     print(f"\n[moe gpu {kver}] {fmt} W4A8 gemm2 given h: rel {_rel(y, y_ref):.3e} max {_maxrel(y, y_ref):.3e}; "
@@ -525,13 +543,7 @@ def test_gpu_gemm2_within_contract_given_h(act, kver):
     x = make_x(T, D, device=dev)
     idx, w = random_routing(T, E, k, device=dev)
     g = moe.moe_permute(x, idx, w, E, act=act)
-    from dsv4.registry import use
-    with use(moe_gemm1_swiglu=kver, moe_gemm2=kver):
-        h, h_s = moe.moe_gemm1_swiglu(g, W)
-        y = moe.moe_gemm2(h, h_s, g, W)
-    with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
-        h_ref, h_s_ref = moe.moe_gemm1_swiglu(g, W)
-        y_ref = moe.moe_gemm2(h, h_s, g, W)
+    h, h_s, y, h_ref, h_s_ref, y_ref = gemms_and_oracles(g, W, kver)
     print(f"\n[moe gpu {kver}] {act} gemm2 given h: rel {_rel(y, y_ref):.3e}")
     assert _rel(y, y_ref) < _gemm2_tol(kver, act)
     if act == "fp8":
@@ -561,13 +573,7 @@ def test_gpu_decode_masked_flash_shape_and_graph(kver):
     idx, w = random_routing(T, E, k, device=dev, only=list(range(0, E, 7)))
     from dsv4.registry import use
     with use(moe_gemm1_swiglu=kver, moe_gemm2=kver):
-        out = moe.moe_experts(x, idx, w, W, layout="masked", max_m=16)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_g = moe.moe_experts(x, idx, w, W, layout="masked", max_m=16)
-        graph.replay()
-        torch.cuda.synchronize()
+        out, out_g = capture_replay(lambda: moe.moe_experts(x, idx, w, W, layout="masked", max_m=16))
     ref = ref_out(x, ck, "mxfp4", "fp8", idx, w)
     assert _rel(out, ref) < 1e-2
     assert torch.equal(out_g, out)

@@ -3,7 +3,7 @@
 CPU: bit-exact emulation of the in-register E2M1 -> bf16 decode (every code, every scale byte),
 a port of the kernel's K permutation (producer B tile + consumer A fragments) through the WGMMA
 fragment semantics (cute ALayout_64x16, K-major no-swizzle descriptor) against a dense matmul,
-the dispatch decision (:func:`kernels_cuda.moe_decode.plan`), NVRTC compile + PTX/ptxas checks.
+the dispatch decision (:func:`kernels_cuda.moe_decode.default_config`), NVRTC compile + PTX/ptxas checks.
 GPU (@pytest.mark.gpu): the grouped ops against the torch oracles on the prepared layout (tight:
 only FP32 summation order differs) and the whole expert layer against the checkpoint-layout
 reference, MXFP4 / NVFP4 (non-power-of-two block scales) x FP8 / BF16 activations, m in {1, 3, 16}
@@ -200,47 +200,67 @@ def test_stage_emulation_matches_dense(nt, fmt, act, mode):
 
 
 # ------------------------------------------------------------------------------ dispatch
-def test_plan_dispatch(monkeypatch):
-    monkeypatch.delenv("DSV4_MOE_DECODE", raising=False)
-    monkeypatch.delenv("DSV4_MOE_DECODE_MAXM", raising=False)
-    monkeypatch.delenv("DSV4_MOE_DECODE_NWG", raising=False)
-    monkeypatch.delenv("DSV4_MOE_DECODE_STAGES", raising=False)
-    P = moe_decode.plan
+def test_default_config_dispatch():
+    P = moe_decode.default_config
     E, D, I = 256, 4096, 2048
     p = P(E * 1, E, 2 * I, D, "fp8", "mxfp4", 1)
-    assert p is not None and p["nt"] == 8 and p["nwg"] == 2 and p["smem"] <= 233472 // p["minb"] - 1024
-    assert P(E * 8, E, D, I, "bf16", "nvfp4", 2)["nt"] == 8
-    assert P(E * 9, E, 2 * I, D, "fp8", "nvfp4", 1)["nt"] == 16
-    assert P(E * 16, E, 2 * I, D, "fp8", "mxfp4", 1)["nt"] == 16
+    assert p is not None and p.nt == 8 and p.nwg == 2 and p.smem <= 233472 // p.minb - 1024
+    assert (p.stage, p.act, p.fmt, p.splitk, p.mma, p.bulk, p.l2pf) == (1, "fp8", "mxfp4", 4, 1, 0, 256)  # measured defaults
+    assert P(E * 8, E, D, I, "bf16", "nvfp4", 2).nt == 8
+    assert P(E * 9, E, 2 * I, D, "fp8", "nvfp4", 1).nt == 16
+    assert P(E * 16, E, 2 * I, D, "fp8", "mxfp4", 1).nt == 16
     assert P(E * 17, E, 2 * I, D, "fp8", "mxfp4", 1) is None            # max_m 17: prefill kernel
-    assert P(384 * 4, 384, 7168, 3072, "fp8", "mxfp4", 2)["nt"] == 8      # Pro GEMM2
+    assert P(384 * 4, 384, 7168, 3072, "fp8", "mxfp4", 2).nt == 8        # Pro GEMM2
     assert P(0, E, 2 * I, D, "fp8", "mxfp4", 1) is None
     assert P(E, E, 2 * I + 128, D, "fp8", "mxfp4", 1) is None            # N % 256
     assert P(E, E, 2 * I, D + 64, "fp8", "mxfp4", 1) is None             # K % 128
     assert P(2048 * 6, 33, 2048, 2048, "fp8", "mxfp4", 1) is None        # prefill-sized groups
-    monkeypatch.setenv("DSV4_MOE_DECODE_NWG", "1")
-    assert P(E, E, 2 * I, D, "fp8", "mxfp4", 1)["nwg"] == 2                # FP8 requant needs 256 rows
-    assert P(E, E, D, I, "fp8", "mxfp4", 2)["nwg"] == 1
-    monkeypatch.setenv("DSV4_MOE_DECODE", "0")
-    assert P(E, E, 2 * I, D, "fp8", "mxfp4", 1) is None
-    monkeypatch.setenv("DSV4_MOE_DECODE", "1")
-    monkeypatch.setenv("DSV4_MOE_DECODE_MAXM", "8")
-    assert P(E * 9, E, 2 * I, D, "fp8", "mxfp4", 1) is None
+    with moe_decode.override(nwg=1):
+        assert P(E, E, 2 * I, D, "fp8", "mxfp4", 1).nwg == 2               # FP8 requant needs 256 rows
+        assert P(E, E, D, I, "fp8", "mxfp4", 2).nwg == 1
+    with moe_decode.override(max_m=0):
+        assert P(E, E, 2 * I, D, "fp8", "mxfp4", 1) is None
+    with moe_decode.override(max_m=8):
+        assert P(E * 9, E, 2 * I, D, "fp8", "mxfp4", 1) is None
+        assert P(E * 8, E, 2 * I, D, "fp8", "mxfp4", 1) is not None
+    assert P(E * 9, E, 2 * I, D, "fp8", "mxfp4", 1) is not None           # restored on exit
+
+
+def test_override_fields_and_validation():
+    P = lambda: moe_decode.default_config(256, 256, 4096, 2048, "bf16", "mxfp4", 2)  # noqa: E731
+    p = P()
+    assert (p.mma, p.bulk, p.l2pf, p.splitk, p.nwg) == (1, 0, 256, 4, 2)
+    with moe_decode.override(mma=0, bulk=1, l2pf=0, splitk=1, nwg=1, stages=3):
+        q = P()
+        assert (q.mma, q.bulk, q.l2pf, q.splitk, q.nwg, q.stages) == (0, 1, 0, 1, 1, 3)
+        assert q.defines()["MD_MMA"] == 0 and q.defines()["MD_STAGES"] == 3
+        with moe_decode.override(mma=1):                                  # nested: inner wins, outer restored
+            assert P().mma == 1 and P().bulk == 1
+        assert P().mma == 0
+    assert P() == p
+    for k, v in (("max_m", 17), ("nwg", 3), ("stages", 1), ("bulk", 2), ("mma", "x"), ("l2pf", 100),
+                 ("splitk", 3), ("tile", 64)):
+        with pytest.raises(ValueError, match=k):
+            with moe_decode.override(**{k: v}):
+                pass
+    assert "mma.sync" in p.explain() and "split-K <= 4" in p.explain()
 
 
 def test_grid_bounds_items():
-    p = moe_decode.plan(256, 256, 4096, 4096, "fp8", "mxfp4", 1)
+    p = moe_decode.default_config(256, 256, 4096, 4096, "fp8", "mxfp4", 1)
     assert moe_decode.grid_size(p, 256, 256, 4096, 132) == 264           # 2 CTAs / SM resident
     assert moe_decode.grid_size(p, 3, 256, 4096, 132) == (1 + 3) * 16     # item upper bound
     assert not hasattr(moe_decode, "PROVIDERS")
 
 
 def test_provider_dispatch_is_wired():
-    """kernels_cuda/moe.py calls the decode plan in both providers' run and in their supports (the
-    cuda provider serves exactly the decode-plan problems; the moe.cu prefill kernels are deleted)."""
+    """kernels_cuda/moe.py's providers configure through moe_decode.default_config in supports (their
+    config()) and in run (the cuda provider serves exactly the decode-config problems; the moe.cu
+    prefill kernels are deleted)."""
     from pathlib import Path
     src = (Path(moe_decode.__file__).parent / "moe.py").read_text()
-    assert src.count("moe_decode.plan(") == 3 and "moe_decode.gemm1_swiglu(" in src and "moe_decode.gemm2(" in src
+    assert src.count("moe_decode.default_config(") == 2 and "moe_decode.gemm1_swiglu(" in src \
+        and "moe_decode.gemm2(" in src
 
 
 # ------------------------------------------------------------------------------ compile checks
@@ -281,9 +301,9 @@ def test_fp8_stage1_needs_two_warpgroups():
 # ------------------------------------------------------------------------------ GPU
 @pytest.fixture(params=["wgmma", "mmasync"])
 def consumer(request, monkeypatch):
-    """Both consumer variants (kernels_cuda/moe_decode.py DECODE_MMA) with 16-byte cp.async copies."""
-    monkeypatch.setenv("DSV4_MOE_DECODE_MMA", "1" if request.param == "mmasync" else "0")
-    return request.param
+    """Both consumer variants (kernels_cuda/moe_decode.py DecodeConfig.mma) with 16-byte cp.async copies."""
+    with moe_decode.override(mma=1 if request.param == "mmasync" else 0):
+        yield request.param
 
 
 def _rel(a, b):
@@ -317,32 +337,35 @@ def _case(fmt, act, m, E=33, D=2048, I=1024, seed=0, empty=(0, 5, 17), pow2=Fals
 def test_gpu_decode_matches_oracles(fmt, act, m, consumer):
     """GEMM1 and GEMM2 of the decode kernel vs the torch oracles on the same inputs: identical up
     to FP32 summation order (NVFP4 with general E4M3 block scales included: bf16 decode is exact)."""
-    from dsv4.ops import moe
-    from dsv4.registry import use
     ck, W, gr, *_ = _case(fmt, act, m)
-    assert moe_decode.plan(gr.a.shape[0], W.E, 2 * W.I, W.D, act, fmt, 1) is not None
-    with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
-        h, h_s = moe.moe_gemm1_swiglu(gr, W)
-        y = moe.moe_gemm2(h, h_s, gr, W)
-    with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
-        h_r, h_s_r = moe.moe_gemm1_swiglu(gr, W)
-        y_r = moe.moe_gemm2(h, h_s, gr, W)
-    valid = _valid(gr)
-    err_y = _rel(y[valid], y_r[valid])
+    assert moe_decode.default_config(gr.a.shape[0], W.E, 2 * W.I, W.D, act, fmt, 1) is not None
+    err_y, err_h, same_s, same_h = _gemms_vs_oracles(gr, W, act, "cuda", f"{consumer}] {fmt} {act} m={m}")
     if act == "fp8":
-        hd = h.float() * h_s.repeat_interleave(128, 1)
-        hd_r = h_r.float() * h_s_r.repeat_interleave(128, 1)
-        err_h = _rel(hd[valid], hd_r[valid])
-        same_s = (h_s[valid] == h_s_r[valid]).float().mean().item()
-        same_h = (h.view(torch.uint8)[valid] == h_r.view(torch.uint8)[valid]).float().mean().item()
-        print(f"\n[moe decode {consumer}] {fmt} {act} m={m}: y rel {err_y:.2e}, h rel {err_h:.2e}, h_s equal {same_s:.4f}, h bytes equal {same_h:.4f}")
         assert same_s > 0.99 and same_h > 0.99 and err_h < 1e-2
     else:
-        err_h = _rel(h[valid], h_r[valid])
-        same_h = (h[valid] == h_r[valid]).float().mean().item()
-        print(f"\n[moe decode {consumer}] {fmt} {act} m={m}: y rel {err_y:.2e}, h rel {err_h:.2e}, h equal {same_h:.4f}")
         assert same_h > 0.99 and err_h < 2e-3
     assert err_y < 1e-5
+
+
+def _gemms_vs_oracles(gr, W, act, prov, label, max_m=None):
+    """GEMM1 + GEMM2 on ``prov`` vs the torch oracles on the same inputs (GEMM2 oracle on the
+    provider's own h), over the rows that hold an assignment: ``(rel err y, rel err h (fp8: after
+    the h_s scales), fraction of equal h_s (fp8; else None), fraction of bit-equal h elements)``."""
+    from tests.test_moe import gemms_and_oracles
+    h, h_s, y, h_r, h_s_r, y_r = gemms_and_oracles(gr, W, prov, max_m)
+    valid = _valid(gr)
+    err_y = _rel(y[valid], y_r[valid])
+    bits = torch.uint8 if act == "fp8" else torch.int16                 # element-wise bit equality
+    same_h = (h.view(bits)[valid] == h_r.view(bits)[valid]).float().mean().item()
+    same_s = None
+    if act == "fp8":
+        err_h = _rel(h.float()[valid] * h_s[valid].repeat_interleave(128, 1),
+                     h_r.float()[valid] * h_s_r[valid].repeat_interleave(128, 1))
+        same_s = (h_s[valid] == h_s_r[valid]).float().mean().item()
+    else:
+        err_h = _rel(h[valid], h_r[valid])
+    print(f"\n[moe decode {label}: y rel {err_y:.2e}, h rel {err_h:.2e}, h_s equal {same_s}, h equal {same_h:.4f}")
+    return err_y, err_h, same_s, same_h
 
 
 @pytest.mark.gpu
@@ -357,8 +380,7 @@ def test_gpu_decode_splitk_deterministic(fmt, act, consumer, monkeypatch):
     outs = {}
     rows = torch.cat([torch.arange(int(gr.row_start[e]), int(gr.row_start[e] + gr.row_count[e])) for e in (3, 16, 32)]).cuda()
     for sk in ("4", "4", "1"):
-        monkeypatch.setenv("DSV4_MOE_DECODE_SPLITK", sk)
-        with use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
+        with moe_decode.override(splitk=int(sk)), use(moe_gemm1_swiglu="cuda", moe_gemm2="cuda"):
             h, h_s = moe.moe_gemm1_swiglu(gr, W)
             y = moe.moe_gemm2(h, h_s, gr, W)
         if sk in outs:  # rows of the 3 experts only (other rows are unspecified)
@@ -373,28 +395,30 @@ def test_gpu_decode_splitk_deterministic(fmt, act, consumer, monkeypatch):
     assert e_split < 1e-2 and e_ref < 1e-5
 
 
-def test_choice_cache_follows_the_decode_env(monkeypatch):
-    """The registry caches its choice per problem AND per value of the variables the cuda provider's
-    supports() reads (dsv4.ops.moe.GEMM_ENV): DSV4_MOE_DECODE=0 set after a decode dispatch re-decides
-    (dsl) instead of reusing the cached cuda choice, and unsetting it goes back (CPU: availability
-    stubbed, no launch)."""
+def test_choice_cache_follows_the_decode_override(monkeypatch):
+    """The registry caches its choice per problem; moe_decode.override drops the cached choices of
+    both GEMM ops on entry and exit, so override(max_m=0) after a decode dispatch re-decides (dsl)
+    instead of reusing the cached cuda choice, and leaving it goes back. The choice explains the
+    provider's config (DecodeConfig / GroupedGemmConfig). CPU: availability stubbed, no launch."""
     from dsv4.ops import moe as mo
-    from dsv4.registry import Support
     from dsv4.target import Target
+    from dsv4.registry import Support
     from kernels_cuda import moe as km
     from kernels_dsl import moe as dm
     monkeypatch.setattr(km.CudaMoEGemm1, "available", lambda self: Support.yes("stub"))
     monkeypatch.setattr(dm.DslMoEGemm1, "available", lambda self: Support.yes("stub"))
-    monkeypatch.delenv("DSV4_MOE_DECODE", raising=False)
     t = Target("cuda", "sm_90a", "H200", 132, 0)
-    prob = {"fmt": "mxfp4", "act": "fp8", "E": 256, "N": 4096, "K": 4096, "R": 256, "rows": 256, "max_m": None,
-            "device": "cuda"}
+    prob = mo.GemmProblem("mxfp4", "fp8", 256, 4096, 4096, 256, 256, None, "cuda")
     op = mo.GEMM1_OP
-    assert "DSV4_MOE_DECODE" in op.env
-    assert op.select(prob, t)[1].kind == "cuda"
-    monkeypatch.setenv("DSV4_MOE_DECODE", "0")
-    assert op.select(prob, t)[1].kind == "dsl"
-    monkeypatch.delenv("DSV4_MOE_DECODE")
+    ch = op.select(prob, t)[1]
+    assert ch.kind == "cuda"
+    cfg = op.config_of(ch)
+    assert isinstance(cfg, moe_decode.DecodeConfig) and cfg.nt == 8 and "DecodeConfig(" in \
+        __import__("dataclasses").replace(ch, config=cfg).explain()
+    with moe_decode.override(max_m=0):
+        ch = op.select(prob, t)[1]
+        assert ch.kind == "dsl" and "not decode-sized" in ch.explain()
+        assert type(op.config_of(ch)).__name__ == "GroupedGemmConfig"
     assert op.select(prob, t)[1].kind == "cuda"
 
 
@@ -456,7 +480,7 @@ def _flash_shape_graph_and_contiguous(prov: str) -> None:
     """DSV4-Flash shape (D 4096, I 2048, E 257 odd), 1 token on 9 experts, GEMMs forced to ``prov``:
     CUDA-graph replay equals eager; the contiguous layout of the same routing gives the same rows
     (same math; the split-K choice (FP32 order) may differ); both match the checkpoint reference."""
-    from tests.test_moe import make_weights, make_x, prep, ref_out
+    from tests.test_moe import capture_replay, make_weights, make_x, prep, ref_out
     from dsv4.ops import moe
     from dsv4.registry import use
     E, D, I = 257, 4096, 2048
@@ -468,14 +492,8 @@ def _flash_shape_graph_and_contiguous(prov: str) -> None:
     w = torch.rand(T, 1, device="cuda") + 0.1
     x = make_x(T, D, device="cuda")
     with use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
-        out = moe.moe_experts(x, idx, w, W, layout="masked", max_m=1)
         out_c = moe.moe_experts(x, idx, w, W, layout="contiguous")
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_g = moe.moe_experts(x, idx, w, W, layout="masked", max_m=1)
-        graph.replay()
-        torch.cuda.synchronize()
+        out, out_g = capture_replay(lambda: moe.moe_experts(x, idx, w, W, layout="masked", max_m=1))
     assert torch.equal(out_g, out)
     assert _rel(out_c, out) < 1e-2
     assert _rel(out, ref_out(x, ck, "mxfp4", "fp8", idx, w)) < 1e-2
@@ -529,7 +547,7 @@ def _split_choice(total, G, KB, ksplit_max, ucap):
 
 
 def test_split_choice_for_decode_shapes():
-    p = moe_decode.plan(256, 256, 4096, 4096, "fp8", "mxfp4", 1)
+    p = moe_decode.default_config(256, 256, 4096, 4096, "fp8", "mxfp4", 1)
     G = moe_decode.grid_size(p, 256, 256, 4096, 132)
     assert _split_choice(8 * 16, G, 32, 4, 4 * G) == 2          # Flash 8 x 1, GEMM1 (128 items)
     assert _split_choice(8 * 16, G, 16, 4, 4 * G) == 2          # Flash 8 x 1, GEMM2
@@ -664,27 +682,11 @@ def _valid(gr):
 def test_gpu_dsl_decode_matches_oracles(fmt, act, m, prov):
     """GEMM1 and GEMM2 in the decode regime vs the torch oracles on the same inputs (NVFP4 with
     general E4M3 block scales): GEMM2 within the contract, h within bf16 / FP8 rounding."""
-    from dsv4.ops import moe
-    from dsv4.registry import use
     ck, W, gr, *_ = _case(fmt, act, m)
-    with use(moe_gemm1_swiglu=prov, moe_gemm2=prov):
-        h, h_s = moe.moe_gemm1_swiglu(gr, W, max_m=m)
-        y = moe.moe_gemm2(h, h_s, gr, W, max_m=m)
-    with use(moe_gemm1_swiglu="torch", moe_gemm2="torch"):
-        h_r, h_s_r = moe.moe_gemm1_swiglu(gr, W)
-        y_r = moe.moe_gemm2(h, h_s, gr, W)
-    valid = _valid(gr)
-    err_y = _rel(y[valid], y_r[valid])
+    err_y, err_h, same_s, _ = _gemms_vs_oracles(gr, W, act, prov, f"{prov}] {fmt} {act} m={m}", max_m=m)
     if act == "fp8":
-        hd = h.float() * h_s.repeat_interleave(128, 1)
-        hd_r = h_r.float() * h_s_r.repeat_interleave(128, 1)
-        err_h = _rel(hd[valid], hd_r[valid])
-        same_s = (h_s[valid] == h_s_r[valid]).float().mean().item()
-        print(f"\n[moe decode {prov}] {fmt} {act} m={m}: y rel {err_y:.2e}, h rel {err_h:.2e}, h_s equal {same_s:.4f}")
         assert same_s > 0.99 and err_h < 1e-2 and err_y < 5e-3
     else:
-        err_h = _rel(h[valid], h_r[valid])
-        print(f"\n[moe decode {prov}] {fmt} {act} m={m}: y rel {err_y:.2e}, h rel {err_h:.2e}")
         assert err_h < 2e-3 and err_y < 1e-5
 
 

@@ -27,7 +27,7 @@ from hypothesis import given, settings, strategies as st
 from dsv4 import registry
 from dsv4.formats import quantize_fp8_block
 from dsv4.ops import moe
-from dsv4.reference.moe import combine_ref, moe_layer_ref, permute_ref, route_ref
+from dsv4.reference.moe import combine_ref, moe_layer_ref, route_ref
 
 
 def _loop_permute(idx, E, layout, max_m):

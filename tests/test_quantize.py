@@ -6,12 +6,12 @@ CPU (CI):
   with ``dsv4.formats`` on exhaustive bf16/fp16 sweeps and on data with outliers, zero blocks,
   NaN/Inf -- this pins the algorithm before any GPU time is spent; the DSL encoder's bit model
   (``kernels_dsl/sm90/fp4.py``) likewise; the CuTe DSL kernels' sm_90a compile checks live in
-  tests/test_compile_dsl.py (and, while ``kernels_cuda/quantize.cu`` exists, every NVRTC macro
-  variant compiles here with 16-byte vector loads/stores and no spills);
+  tests/test_compile_dsl.py; the frozen launch plans by size class;
 * argument validation (names the argument), registry behaviour, torch.library opcheck, and
   a source check that the GPU providers have no host sync.
 
-GPU (``-m gpu``, H200): every kernel of every GPU provider bit-exact (byte views) against the
+GPU (``-m gpu``, H200): every kernel of the GPU provider (CuTe DSL; the CUDA one was deleted when the
+DSL one matched or beat it at every size, job mem7-02) bit-exact (byte views) against the
 torch reference run on the same GPU, at [8192, 8192], decode shapes [1..128, 7168], odd M for the
 swizzled layout, outliers, all-zero rows, NaN/Inf (OCP MX rule, by value), tiny/huge magnitudes;
 every device-amax NVFP4 launch path; launch geometries; CUDA graph capture and replay.
@@ -40,60 +40,10 @@ INV448 = np.array([0x3B124925], np.uint32).view(f32)[0]
 OPS = ("quantize_nvfp4", "quantize_mxfp4", "quantize_fp8_block", "dequantize_fp8_block")
 
 
-# ============================================================================== compile checks
-def _variants():
-    from kernels_cuda.quantize import variants
-    return variants()
-
-
-def _compile(defs: dict):
-    """(ptx, ptxas log) of quantize.cu with ``defs`` for sm_90a, from one NVRTC compile (no GPU needed)."""
-    from kernels_cuda import nvrtc
-    return nvrtc.CudaModule("quantize.cu", tuple(sorted((k, str(v)) for k, v in defs.items()))).ptxas_report()
-
-
-def _kernel_ptx(ptx: str, name: str) -> str:
-    i = ptx.index(f".entry {name}(")
-    j = ptx.find(".entry ", i + 1)
-    return ptx[i:j if j > 0 else len(ptx)]
-
-
-def _vid(d: dict) -> str:
-    return ",".join(f"{k[5:]}={v}" for k, v in d.items())
-
-
-@pytest.mark.parametrize("defs", _variants(), ids=_vid)
-def test_every_variant_compiles_vectorized_no_spills(defs):
-    ptx, log = _compile(defs)
-    assert ".target sm_90a" in ptx
-    assert "spill" in log, log
-    for line in log.splitlines():
-        if "spill" in line:
-            assert "0 bytes spill stores" in line and "0 bytes spill loads" in line, line
-    assert ".local" not in ptx, "local memory (stack array) in PTX"
-    if "DSV4_FMT" in defs:
-        k = _kernel_ptx(ptx, "quantize_kernel")
-        assert "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32" in k      # 16-byte loads
-        assert "st.global.v4.u32" in k                                      # 16-byte stores
-        assert "max.u16x2" in k                                             # packed amax
-        assert "shfl.sync.bfly" in k                                        # warp-shuffle block amax
-        if defs["DSV4_FMT"] in (0, 2):
-            assert "cvt.rn.satfinite.e4m3x2.f32" in k
-        if defs["DSV4_FMT"] == 2:
-            assert "fma.rn.f32" in k                                        # Markstein x/s
-        if defs["DSV4_FMT"] == 0 and defs["DSV4_GS"] == 0:
-            a = _kernel_ptx(ptx, "quantize_amax_kernel")
-            assert "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32" in a and "max.u16x2" in a
-            assert "createpolicy.fractional.L2::evict_last" in a
-    else:
-        k = _kernel_ptx(ptx, "dequant_fp8_kernel")
-        assert "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32" in k and "st.global.v4.u32" in k
-        assert "cvt.rn.f16x2.e4m3x2" in k
-
-
 # ============================================================================== numpy emulation
 def emu_e2m1(y: np.ndarray) -> np.ndarray:
-    """quantize.cuh e2m1_code / e2m1_code_nan, in numpy fp32 (uint32 wraps like the GPU)."""
+    """The kernels' E2M1 encode (magic add, kernels_dsl/sm90/fp4.py e2m1_mag_t) per element, with the
+    NaN code, in numpy fp32 (uint32 wraps like the GPU)."""
     y = y.astype(f32)
     with np.errstate(invalid="ignore"):
         a = np.fmin(np.abs(y), f32(6))                    # fminf: NaN -> 6 (overridden below)
@@ -107,17 +57,15 @@ def emu_e2m1(y: np.ndarray) -> np.ndarray:
 
 
 def emu_div_rn(x: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """quantize.cuh div_rn_by (Markstein): q0 = x*r, e = fma(-q0, s, x), q = fma(e, r, q0),
-    sign from x. fma emulated in float64 (e is exact there; q may double-round with
-    probability ~2^-29, negligible at these sample sizes)."""
+    """kernels_dsl/_quantize_ptx.py div_rn_by3 (Markstein, 3 instructions, no sign fix): q0 = x*r,
+    t = fma(q0, s, -x), q = fma(-t, r, q0). fma emulated in float64 (t is exact there; q may
+    double-round with probability ~2^-29, negligible at these sample sizes)."""
     x = x.astype(f32)
     s = s.astype(f32)
     r = (f32(1) / s).astype(f32)
     q0 = (x * r).astype(f32)
-    e = (x.astype(np.float64) - q0.astype(np.float64) * s.astype(np.float64)).astype(f32)
-    q = (q0.astype(np.float64) + e.astype(np.float64) * r.astype(np.float64)).astype(f32)
-    bits = (q.view(np.uint32) & np.uint32(0x7FFFFFFF)) | (x.view(np.uint32) & np.uint32(0x80000000))
-    return bits.view(f32)
+    t = (q0.astype(np.float64) * s.astype(np.float64) - x.astype(np.float64)).astype(f32)
+    return (q0.astype(np.float64) - t.astype(np.float64) * r.astype(np.float64)).astype(f32)
 
 
 def _finite_absmax(x: np.ndarray, axis) -> np.ndarray:
@@ -221,7 +169,7 @@ def test_emulated_e2m1_encode_fp32_dense_and_ties():
 
 
 def emu_e2m1x8_fast(y: np.ndarray) -> np.ndarray:
-    """quantize.cuh e2m1x8<false> (IMAD/LEA accumulation with a constant correction) on
+    """The packed E2M1 encoder (kernels_dsl/sm90/fp4.py e2m1x8_encode: IMAD/LEA accumulation with a constant correction) on
     y [..., 8] (already multiplied by enc, no NaN) -> packed uint32 words."""
     y = y.astype(f32)
     a = np.fmin(np.abs(y), f32(6))
@@ -462,7 +410,7 @@ def test_registry_gpu_providers_refuse_cpu_and_fp32():
             quantize_mxfp4(torch.randn(2, 64, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("module", ["kernels_dsl.quantize", "kernels_cuda.quantize"])
+@pytest.mark.parametrize("module", ["kernels_dsl.quantize"])
 def test_gpu_providers_have_no_host_sync(module):
     import importlib
     try:
@@ -474,19 +422,30 @@ def test_gpu_providers_have_no_host_sync(module):
         assert bad not in src, bad
 
 
-@pytest.mark.parametrize("name,value", [("DSV4_QUANT_GRID_SYNC", "yes"), ("DSV4_QUANT_REVERSE", "2"),
-                                        ("DSV4_QUANT_FUSED_MAX_CHUNKS", "-1")])
-def test_dsl_tuning_env_validated_at_import(name, value):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
-    env.update({name: value, "PYTHONPATH": str(root)})
-    r = subprocess.run([sys.executable, "-c", "import kernels_dsl.quantize"], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode != 0 and "ValueError" in r.stderr and name in r.stderr, r.stderr[-2000:]
+def test_dsl_plans_are_frozen_configs_by_size_class():
+    """The DSL launch geometry is a frozen Plan chosen from the problem (no environment switches):
+    the measured LARGE geometry from two waves of warp tiles, short 4-warp tiles at decode sizes, the
+    one-launch NVFP4 device-amax paths for small tensors."""
+    import dataclasses
+    import inspect as _inspect
+
+    import kernels_dsl.quantize as kq
+    assert "env_" not in _inspect.getsource(kq)
+    big = kq.plan_nvfp4("bfloat16", True, True, 8192, 8192, 132)
+    assert dataclasses.is_dataclass(big) and big.path == "given"
+    assert dict(qj=big.cfg.qj, warps=big.cfg.warps) == {k: kq.LARGE["nvfp4"][k] for k in ("qj", "warps")}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        big.ctas_per_sm = 1
+    small = kq.plan_mxfp4("bfloat16", "dsv4", 16, 7168, 132).cfg
+    assert small.warps == 4 and small.qj == 1 and small.pipe == 0
+    assert kq.plan_nvfp4("bfloat16", True, False, 8192, 8192, 132).path == "partials"
+    assert kq.plan_nvfp4("bfloat16", True, False, 16, 7168, 132).path == "grid"
+    assert kq.plan_nvfp4("bfloat16", False, False, 1, 7168, 132).path == "fused"
+    assert kq.plan_nvfp4("bfloat16", True, False, 1, 7168, 132).path == "grid"
+    for M in (1, 16, 128, 2048, 8192):
+        assert kq.plan_fp8(128, 0, "bfloat16", M, 7168, 132) == kq.plan_fp8(128, 0, "bfloat16", M, 7168, 132)
+        dq = kq.plan_dequant(128, False, "bfloat16", M, 7168, 132)
+        assert 32 * dq.cfg.units * dq.cfg.warps <= max(M * 7168 // 8, 32 * 4)
 
 
 @pytest.mark.parametrize("name,args", [
@@ -510,7 +469,7 @@ def _kinds(op: str) -> list:
     return [k for k in ("dsl", "cuda") if not isinstance(o.provider(k), registry.Support)]
 
 
-KINDS = ("dsl", "cuda")
+KINDS = ("dsl",)
 
 
 def _need(op: str, kind: str):
@@ -518,24 +477,44 @@ def _need(op: str, kind: str):
         pytest.skip(f"no {kind} provider for {op}")
 
 
-def _tuning(kind: str):
-    """The launch-tuning dict of a provider module (never changes results)."""
-    if kind == "dsl":
-        import kernels_dsl.quantize as m
-    else:
-        import kernels_cuda.quantize as m
-    return m.TUNING
+def _tuning(kind: str) -> dict:
+    """The launch-choice dict of the DSL provider (its ``OVERRIDE`` hook: plan fields per kernel
+    family; never changes results)."""
+    import kernels_dsl.quantize as m
+    return m.OVERRIDE
+
+
+def _dsl_override(over: dict) -> dict:
+    """DSL ``OVERRIDE`` for launch choices given as flat keys: kernel-config fields go to every family
+    that has them (``dq_*``: the dequantizer), ``path`` / ``reverse`` to the NVFP4 device-amax launch."""
+    import dataclasses
+
+    from kernels_dsl.quantize_fp4 import Fp4Config
+    from kernels_dsl.quantize_fp8 import Fp8Config, Fp8DqConfig
+    out: dict = {}
+    for fam, cls in (("fp4", Fp4Config), ("fp8", Fp8Config), ("dequant", Fp8DqConfig)):
+        names = {f.name for f in dataclasses.fields(cls)} | {"ctas_per_sm"}
+        src = {k[3:]: v for k, v in over.items() if k.startswith("dq_")} if fam == "dequant" else over
+        d = {k: v for k, v in src.items() if k in names}
+        if d:
+            out[fam] = d
+    if "path" in over:
+        out["nvfp4_path"] = over["path"]
+    if "reverse" in over:
+        out["reverse"] = bool(over["reverse"])
+    return out
 
 
 class _tuned:
-    """Temporarily update a provider's TUNING."""
+    """Temporarily change the DSL provider's launch choices (see :func:`_dsl_override`)."""
 
     def __init__(self, kind, **over):
-        self.t, self.over = _tuning(kind), over
+        self.t = _tuning(kind)
+        self.over = _dsl_override(over)
 
     def __enter__(self):
         self.old = dict(self.t)
-        self.t.update({k: v for k, v in self.over.items() if k in self.t})
+        self.t.update(self.over)
 
     def __exit__(self, *a):
         self.t.clear()
@@ -584,9 +563,8 @@ def test_gpu_nvfp4_bitexact(shape, layout, kind):
 
 #: device-amax NVFP4 launch paths: two launches (amax partials + quantize), one single-CTA launch,
 #: one grid-synchronized launch (DSL, tensors up to one CTA of 4 warps per SM)
-NV_PATHS = {"two-launch": dict(fused_max_chunks=0, grid_sync=0),
-            "single-cta": dict(fused_max_chunks=1 << 40, fused_swizzled=1, grid_sync=0),
-            "grid-sync": dict(fused_max_chunks=0, grid_sync=1)}
+#: NVFP4 device-amax launch paths (the forced path of the DSL plan)
+NV_PATHS = {"two-launch": dict(path="partials"), "single-cta": dict(path="fused"), "grid-sync": dict(path="grid")}
 
 
 @gpu
@@ -596,8 +574,6 @@ NV_PATHS = {"two-launch": dict(fused_max_chunks=0, grid_sync=0),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_nvfp4_paths_specials_magnitudes(path, case, dtype, kind):
     _need("quantize_nvfp4", kind)
-    if path == "grid-sync" and "grid_sync" not in _tuning(kind):
-        pytest.skip(f"{kind} has no grid-sync path")
     seed, specials, scale = case
     if dtype == torch.float16 and scale not in (1.0, 3e-3):
         pytest.skip("out of fp16 range")
@@ -615,7 +591,7 @@ def test_gpu_nvfp4_all_zero_and_reverse_off(kind):
     _need("quantize_nvfp4", kind)
     _check_nvfp4(torch.zeros(129, 256, dtype=torch.bfloat16, device="cuda"), "swizzled", kind=kind)
     _check_nvfp4(torch.zeros(4096, 1024, dtype=torch.bfloat16, device="cuda"), "linear", kind=kind)
-    with _tuned(kind, reverse=0, grid_sync=0):
+    with _tuned(kind, reverse=0, path="partials"):
         _check_nvfp4(_data(2048, 4096, 5, device="cuda"), "swizzled", kind=kind)
 
 
@@ -771,11 +747,10 @@ def test_gpu_cuda_graph_capture_and_replay(kind):
 
 
 #: launch-geometry knobs per provider (tile size, CTAs per SM, register bound / software pipelining)
-GEOMETRIES = {"dsl": [dict(qj=4, tuned=0), dict(ctas_per_sm=2, tuned=0), dict(ctas_per_sm=8, qj=4, tuned=0),
-                      dict(min_blocks=4, tuned=0), dict(warps=4, qj=4, min_blocks=4, tuned=0),
-                      dict(min_blocks=3, ctas_per_sm=3, tuned=0)],
-              "cuda": [dict(qj=4), dict(ctas_per_sm=2), dict(ctas_per_sm=8, qj=4), dict(prefetch=1),
-                       dict(prefetch=1, qj=4, ctas_per_sm=2)]}
+GEOMETRIES = {"dsl": [dict(qj=4), dict(ctas_per_sm=2), dict(ctas_per_sm=8, qj=4), dict(min_blocks=4),
+                      dict(warps=4, qj=4, min_blocks=4), dict(min_blocks=3, ctas_per_sm=3, lut=0),
+                      dict(pipe=2, qj=8, warps=4, min_blocks=4, ctas_per_sm=2), dict(pipe=4, qj=4, lut=1),
+                      dict(qj=1, warps=4, dq_units=1, dq_warps=4), dict(qj=2, warps=4, lut=1)]}
 
 
 @gpu

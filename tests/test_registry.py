@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4 import registry
-from dsv4.layout import OpSpec, TensorSpec
+from dsv4.layout import OpSpec
 from dsv4.registry import Op, Provider, ProviderUnavailableError, Support
 from dsv4.target import Target
 
@@ -132,20 +132,6 @@ def test_lazy_import_reports_missing_and_broken_modules(monkeypatch):
     assert not s2 and "has no provider for t_lazy_other" in s2.reason
 
 
-def test_selection_is_cached_per_problem():
-    n = {"c": 0}
-
-    def ans(p, t):
-        n["c"] += 1
-        return Support.yes("ok")
-    op = _make("t_cache", {"torch": ans})
-    for _ in range(5):
-        op.select({"K": 128}, CPU)
-    assert n["c"] == 1
-    op.select({"K": 256}, CPU)
-    assert n["c"] == 2
-
-
 def test_dequant_fp4_is_registered_with_lazy_providers():
     """The CUDA provider was deleted (the DSL kernel beats it, job mem2-02): its row says so."""
     op = registry.get_op("dequant_fp4")
@@ -231,22 +217,63 @@ def test_last_choice_explain_shows_the_recorded_config():
     assert registry.last_choice("t_cfg").config == Cfg(tile=32)
 
 
-def test_selection_cache_returns_the_same_provider_and_rekeys_on_env(monkeypatch):
+def test_selection_is_cached_per_problem_and_clear_cache_redecides():
     n = {"c": 0}
 
     def ans(p, t):
         n["c"] += 1
         return Support.yes("ok")
     op = _make("t_hot", {"torch": ans})
-    op.env = ("TEST_T_HOT_KNOB",)
     p1, c1 = op.select({"K": 1, "fmt": "x"}, CPU)
-    p2, c2 = op.select({"K": 1, "fmt": "x"}, CPU)
+    for _ in range(4):
+        p2, c2 = op.select({"K": 1, "fmt": "x"}, CPU)
     assert p1 is p2 and c1 is c2 and n["c"] == 1
+    op.select({"K": 2, "fmt": "x"}, CPU)          # another problem: decided once more
+    op.select({"K": 2, "fmt": "x"}, CPU)
+    assert n["c"] == 2
+    n["c"] = 1
+    assert c1.problem == {"K": 1, "fmt": "x"} and c1.target is CPU
     op.select({"K": [1, 2]}, CPU)                 # unhashable problem values still work
     assert n["c"] == 2
-    monkeypatch.setenv("TEST_T_HOT_KNOB", "1")    # an env value the providers read: re-decided
+    op.clear_cache()                              # what supports() depends on changed: re-decided
     op.select({"K": 1, "fmt": "x"}, CPU)
     assert n["c"] == 3
+
+
+def test_provider_config_is_explained_without_a_recorded_one():
+    """A provider's config(problem, target) (its heuristic's frozen dataclass) is what last_choice and
+    the dsv4 ops table explain when run() recorded none; a failing config() is shown, never raised."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Cfg:
+        stages: int
+
+    class P(Provider):
+        kind = "torch"
+
+        def supports(self, problem, target):
+            return Support.yes("reference")
+
+        def config(self, problem, target):
+            if problem["K"] < 0:
+                raise ValueError("negative K")
+            return Cfg(stages=problem["K"] // 64)
+
+        def run(self, problem, **args):
+            return 2
+
+    op = registry.register(Op("t_cfg2", OpSpec("t_cfg2", "x", ()), kinds=("torch",),
+                              example_problem=lambda t: {"K": 512}))
+    _TOY.append("t_cfg2")
+    op._providers["torch"] = P(op)
+    assert op.dispatch({"K": 256}, CPU) == 2
+    ch = registry.last_choice("t_cfg2")
+    assert ch.config == Cfg(4) and "config: " in ch.explain() and "stages=4" in ch.explain()
+    row = op.table(CPU)[0]
+    assert row["chosen"] and "stages=8" in row["explain"]
+    op.dispatch({"K": -1}, CPU)
+    assert "config not available: ValueError: negative K" in registry.last_choice("t_cfg2").explain()
 
 
 def test_target_of_is_memoized_per_device():
@@ -276,3 +303,40 @@ def test_custom_op_defines_a_lean_torch_library_op():
                       fullgraph=True)
     acc2 = torch.zeros(3)
     assert torch.equal(f(acc2, x), x * 2 + 1) and torch.equal(acc2, x * 2)
+
+
+def test_every_op_problem_is_a_frozen_dataclass():
+    """Issue 17 item 3: each op's problem is a frozen dataclass (hashable, the selection-cache key),
+    not a dict: every registered op's example problem (what ``dsv4 ops`` shows) is a Problem."""
+    import dataclasses
+    for op in registry.all_ops():
+        if op.name in _TOY or op.example_problem is None:
+            continue
+        p = op.example_problem(CPU)
+        assert isinstance(p, registry.Problem) and dataclasses.is_dataclass(p), (op.name, type(p))
+        assert type(p).__dataclass_params__.frozen and hash(p) == hash(dataclasses.replace(p)), op.name
+        assert dict(p) == {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, op.name
+
+
+def test_kernel_configs_are_frozen_dataclasses_from_their_heuristics():
+    """Issue 17 item 3: the providers that name their tunables return a frozen config dataclass for a
+    problem (CPU: no GPU needed, the heuristics are host code), the one ``explain()`` shows."""
+    import dataclasses
+
+    from dsv4.ops import indexer, moe
+    cases = [("moe_gemm1_swiglu", "cuda", moe.GemmProblem("mxfp4", "fp8", 256, 4096, 4096, 256, 256, None, "cuda"),
+              "DecodeConfig"),
+             ("moe_gemm2", "cuda", moe.GemmProblem("nvfp4", "bf16", 256, 4096, 2048, 2048, 2048, 8, "cuda"),
+              "DecodeConfig"),
+             ("moe_gemm1_swiglu", "dsl", moe._ex_gemm(H200), "GroupedGemmConfig"),
+             ("indexer_logits_paged", "dsl", indexer.PagedProblem("fp8", 2, 64, 32768, "cuda"), "PagedConfig")]
+    for name, kind, problem, cls in cases:
+        p = registry.get_op(name).provider(kind)
+        if isinstance(p, Support):
+            pytest.skip(f"{name} {kind}: {p.reason}")
+        cfg = p.config(problem, H200)
+        assert type(cfg).__name__ == cls and dataclasses.is_dataclass(cfg), (name, kind, cfg)
+        assert type(cfg).__dataclass_params__.frozen and hash(cfg) == hash(dataclasses.replace(cfg))
+        assert p.config(problem, H200) == cfg                      # deterministic
+    big = moe.GemmProblem("mxfp4", "fp8", 256, 4096, 4096, 24576, 24576, None, "cuda")
+    assert registry.get_op("moe_gemm1_swiglu").provider("cuda").config(big, H200) is None   # not decode-sized

@@ -388,7 +388,8 @@ def test_gpu_install_extra_and_docs():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     cu13 = " ".join(extras["cu13"])
     assert "nvidia-cutlass-dsl[cu13]" in cu13 and "cuda-bindings>=13,<14" in cu13 and "nvidia-cuda-nvrtc>=13,<14" in cu13
-    assert all("<13" in d for d in extras["cu12"])
+    assert all("<13" in d for d in extras["cu12"] if not d.startswith("apache-tvm-ffi"))
+    assert any(d.startswith("apache-tvm-ffi") for d in extras["cu13"])   # the DSL's fast call path
     readme = (ROOT / "README.md").read_text()
     gpu = readme.split("### GPU install", 1)[1].split("\n## ", 1)[0]
     assert "pip install -e '.[cu13]'" in gpu and "pip install -e '.[cu13]'" in DSL_INSTALL_HINT

@@ -30,7 +30,6 @@ bit for bit on every non-NaN bf16 and fp16 input, Inf included; tested):
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

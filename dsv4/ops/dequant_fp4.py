@@ -5,12 +5,13 @@ spec, torch.library custom op, CUDA graph capture).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, custom_op, register
+from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
 
@@ -48,8 +49,18 @@ SPEC = OpSpec(
 )
 
 
-def _example(target: Target) -> dict:
-    return {"fmt": "mxfp4", "out_dtype": "bfloat16", "K": 7168, "device": target.device_type}
+@dataclass(frozen=True)
+class DequantFp4Problem(Problem):
+    """What selects the ``dequant_fp4`` provider (frozen: the registry's cache key)."""
+
+    fmt: str            # "mxfp4" | "nvfp4"
+    out_dtype: str      # "bfloat16" | "float32"
+    K: int              # values per row (2 x packed bytes)
+    device: str
+
+
+def _example(target: Target) -> DequantFp4Problem:
+    return DequantFp4Problem("mxfp4", "bfloat16", 7168, target.device_type)
 
 
 OP = register(Op("dequant_fp4", SPEC, example_problem=_example))
@@ -58,8 +69,7 @@ OP = register(Op("dequant_fp4", SPEC, example_problem=_example))
 @custom_op("dsv4::dequant_fp4", mutates_args=())
 def _dequant_fp4_op(data: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor],
                     fmt: str, out_dtype: torch.dtype) -> torch.Tensor:
-    problem = {"fmt": fmt, "out_dtype": dtype_name(out_dtype), "K": 2 * data.shape[1],
-               "device": data.device.type}
+    problem = DequantFp4Problem(fmt, dtype_name(out_dtype), 2 * data.shape[1], data.device.type)
     return OP.dispatch(problem, Target.of(data.device), data=data, scale=scale, global_scale=global_scale)
 
 

@@ -45,16 +45,15 @@ quantized values (the torch reference on the dequantized bytes):
 
 What the providers do: ``dsl`` (decode: MXFP4 / FP8 keys; prefill: every format; sm_90a). Decode runs one
 FP8 WGMMA (K = 128) per (head, key): MXFP4 block scales are folded into the E4M3 operand bytes
-relative to the row's largest block (exact for blocks within 14 binades of it), the remaining
-power-of-two scales and FP8 key scales are applied in FP32 after the head sum (DeepGEMM-style
-promotion). Measured on the H200: MXFP4 <= 4.5e-7 (E2M1 x E2M1 products are exact in the FP8
-tensor core), FP8 decode <= 1.0e-3, top-k recall >= 99.8% (Hopper's FP8 accumulator keeps ~14
-bits). Prefill: MXFP4 on the same E4M3 operands; FP8 keys widened exactly to BF16 with full FP32
-accumulation (<= 3.3e-7, job idx-14), because the FP8 WGMMA reached 2.28e-3 on short prefill rows
-(job idx-11; DeepGEMM's ``fp8_mqa_logits`` gives the same 2.28e-3 on the same bytes, job idx-15).
-NVFP4 prefill runs on the same BF16 operands after an exact ``dequant_fp4``; ``cuda`` (NVFP4
-decode) decodes exactly to BF16 (<= 1e-5). The bound is what the
-quantization itself already costs (FP8 keys: 1.3e-2 from the bf16 inputs), not bit-exactness.
+relative to the row's largest block (exact for blocks within 14 binades of it; E2M1 x E2M1 products
+are exact in the FP8 tensor core), the remaining power-of-two scales and FP8 key scales are applied
+in FP32 after the head sum (DeepGEMM-style promotion). Prefill: MXFP4 on the same E4M3 operands; FP8
+keys widened exactly to BF16 with full FP32 accumulation, because the FP8 WGMMA (as DeepGEMM's
+``fp8_mqa_logits`` on the same bytes) exceeds the 2e-3 bound on short prefill rows; NVFP4 prefill
+runs on the same BF16 operands after an exact ``dequant_fp4``; ``cuda`` (NVFP4 decode) decodes
+exactly to BF16. The bound is what the quantization itself already costs (FP8 keys: 1.3e-2 from the
+bf16 inputs), not bit-exactness. Measured errors and recalls per format: docs/benchmarks.md
+("Lightning Indexer").
 """
 from __future__ import annotations
 
@@ -345,8 +344,7 @@ def indexer_logits(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, k_
     Returns:
         fp32 ``[T, S]``: ``sum_h w[t,h] * relu(q[t,h] . K[s])`` inside the range, -inf outside.
         Precision: within 2e-3 x the row's max |logit| of fp64 on the same quantized values,
-        top-k recall >= 99.5% (module docstring; dsl measured on the H200: MXFP4 <= 4.5e-7, FP8 keys on
-        BF16 operands <= 3.3e-7, NVFP4 on BF16 operands 7e-7 from the former exact CUDA kernel).
+        top-k recall >= 99.5% (module docstring; measured errors: docs/benchmarks.md).
 
     Raises:
         ValueError / LayoutError (argument named, expected vs got).
@@ -603,7 +601,7 @@ def indexer_topk_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor
     (:func:`indexer_logits_paged`, :func:`dsv4.ops.topk.topk`), as one op.
 
     Providers: ``dsl`` for MXFP4 / FP8 keys (fused: the logits kernel's selection-histogram epilogue
-    + ``topk_select_kernel`` where next_n <= 2 and the batch gives the select kernel >= 4 CTAs per
+    + ``topk_select_kernel`` where next_n <= 2 and the batch gives the select kernel 16 CTAs per
     row, else the two kernels in sequence; bitwise the same result); NVFP4 keys have no kernel
     provider for this op yet and run the torch reference (call :func:`indexer_logits_paged`, which
     has a CUDA NVFP4 kernel, then :func:`dsv4.ops.topk.topk` for the kernel path).

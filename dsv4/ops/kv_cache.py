@@ -43,12 +43,13 @@ the host first (syncs) and raises ``ValueError``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, custom_op, register
+from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
 
@@ -98,6 +99,23 @@ def _cache_info(cache: torch.Tensor, d: int, arg: str = "cache") -> tuple[str, i
     return fmt, bs
 
 
+def _cache_pair(op: str, main: torch.Tensor, main_arg: str, other: Optional[torch.Tensor], other_arg: str, d: int,
+                device: torch.device, device_arg: str) -> tuple[str, int, Optional[int]]:
+    """(fmt, block_size of ``main``, block_size of ``other`` or None) of a main cache and an optional
+    second one (the SWA or the compressed cache of the same layer): same format, both on ``device``
+    (the device of argument ``device_arg``); ``LayoutError`` naming the argument otherwise."""
+    fmt, bs = _cache_info(main, d, main_arg)
+    obs = None
+    if other is not None:
+        ofmt, obs = _cache_info(other, d, other_arg)
+        if ofmt != fmt:
+            raise LayoutError(f"{op}: '{other_arg}' format {ofmt} differs from '{main_arg}' format {fmt}")
+    for arg, t in ((main_arg, main), (other_arg, other)):
+        if t is not None and t.device != device:
+            raise LayoutError(f"{op}: '{arg}' is on {t.device}, '{device_arg}' on {device}")
+    return fmt, bs, obs
+
+
 def _check_table(name: str, bt: torch.Tensor, rows_min: int | None = None) -> None:
     if bt.dtype != torch.int32 or bt.dim() != 2 or not bt.is_contiguous():
         raise LayoutError(f"{name}: expected contiguous int32 [rows, max_blocks], got {dtype_name(bt.dtype)} "
@@ -140,8 +158,18 @@ APPEND_SPEC = OpSpec(
 )
 
 
-def _append_example(target: Target) -> dict:
-    return {"fmt": "fp8_ds_mla", "slot": "int64", "device": target.device_type, "i32": True}
+@dataclass(frozen=True)
+class AppendProblem(Problem):
+    """What selects the ``kv_cache_append`` provider (frozen: the registry's cache key)."""
+
+    fmt: str            # "fp8_ds_mla" | "bf16"
+    slot: str           # slot_mapping dtype name
+    device: str
+    i32: bool           # every byte offset fits int32 (the DSL kernels' index width)
+
+
+def _append_example(target: Target) -> AppendProblem:
+    return AppendProblem("fp8_ds_mla", "int64", target.device_type, True)
 
 
 APPEND_OP = register(Op("kv_cache_append", APPEND_SPEC, module="kv_cache", example_problem=_append_example))
@@ -150,8 +178,8 @@ APPEND_OP = register(Op("kv_cache_append", APPEND_SPEC, module="kv_cache", examp
 @custom_op("dsv4::kv_cache_append", mutates_args=("cache",))
 def _kv_cache_append_op(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     fmt, bs = _cache_info(cache, KV_DIM)
-    problem = {"fmt": fmt, "slot": dtype_name(slot_mapping.dtype), "device": kv.device.type,
-               "i32": cache.numel() * cache.element_size() < _I32_BYTES}
+    problem = AppendProblem(fmt, dtype_name(slot_mapping.dtype), kv.device.type,
+                            cache.numel() * cache.element_size() < _I32_BYTES)
     APPEND_OP.dispatch(problem, Target.of(kv.device), cache=cache, kv=kv, slot_mapping=slot_mapping)
 
 
@@ -236,8 +264,18 @@ GATHER_SPEC = OpSpec(
 )
 
 
-def _gather_example(target: Target) -> dict:
-    return {"fmt": "fp8_ds_mla", "swa": True, "device": target.device_type, "i32": True}
+@dataclass(frozen=True)
+class GatherProblem(Problem):
+    """What selects the ``kv_gather`` provider."""
+
+    fmt: str
+    swa: bool           # a sliding-window cache is gathered too
+    device: str
+    i32: bool           # every byte offset (caches and output) fits int32
+
+
+def _gather_example(target: Target) -> GatherProblem:
+    return GatherProblem("fp8_ds_mla", True, target.device_type, True)
 
 
 GATHER_OP = register(Op("kv_gather", GATHER_SPEC, module="kv_cache", example_problem=_gather_example))
@@ -252,7 +290,7 @@ def _kv_gather_op(cache: torch.Tensor, block_table: torch.Tensor, indices: torch
     W = swa_indices.shape[1] if swa_indices is not None else 0
     big = max(cache.numel() * cache.element_size(), indices.shape[0] * (W + indices.shape[1]) * KV_DIM * 2,
               swa_cache.numel() * swa_cache.element_size() if swa_cache is not None else 0)
-    problem = {"fmt": fmt, "swa": swa_indices is not None, "device": cache.device.type, "i32": big < _I32_BYTES}
+    problem = GatherProblem(fmt, swa_indices is not None, cache.device.type, big < _I32_BYTES)
     return GATHER_OP.dispatch(problem, Target.of(cache.device), cache=cache, block_table=block_table,
                               indices=indices, lens=lens, req_idx=req_idx, swa_cache=swa_cache,
                               swa_block_table=swa_block_table, swa_indices=swa_indices, swa_lens=swa_lens)
@@ -311,14 +349,7 @@ def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Ten
     tensors = {"block_table": block_table, "indices": indices, "lens": lens, "req_idx": req_idx,
                "swa_block_table": swa_block_table, "swa_indices": swa_indices, "swa_lens": swa_lens}
     GATHER_SPEC.validate(tensors, specs=[s for s in GATHER_SPEC.inputs if s.name in tensors])
-    fmt, bs = _cache_info(cache, KV_DIM)
-    if swa_cache is not None:
-        sfmt, sbs = _cache_info(swa_cache, KV_DIM, "swa_cache")
-        if sfmt != fmt:
-            raise LayoutError(f"kv_gather: swa_cache format {sfmt} differs from cache format {fmt}")
-    for name, t in (("cache", cache), ("swa_cache", swa_cache)):
-        if t is not None and t.device != indices.device:
-            raise LayoutError(f"kv_gather: '{name}' is on {t.device}, 'indices' on {indices.device}")
+    fmt, bs, sbs = _cache_pair("kv_gather", cache, "cache", swa_cache, "swa_cache", KV_DIM, indices.device, "indices")
     if req_idx is None and block_table.shape[0] < indices.shape[0]:
         raise LayoutError(f"kv_gather: block_table has {block_table.shape[0]} rows but req_idx is None and T = "
                           f"{indices.shape[0]} (row t uses request t)")
@@ -438,8 +469,20 @@ DECODE_SPEC = OpSpec(
 )
 
 
-def _compress_example(target: Target) -> dict:
-    return {"fmt": "fp8_ds_mla", "d": 512, "ratio": 4, "pos": "int64", "eps": 1e-6, "device": target.device_type}
+@dataclass(frozen=True)
+class CompressProblem(Problem):
+    """What selects the ``kv_compress_prefill`` / ``kv_compress_decode`` provider."""
+
+    fmt: str
+    d: int              # head dim (512 main KV, 128 indexer keys)
+    ratio: int          # compression ratio (ape rows): 4 (CSA) or 128 (HCA)
+    pos: str            # positions dtype name ("int32" for prefill's cu_seqlens)
+    eps: float          # RMSNorm epsilon (a kernel argument)
+    device: str
+
+
+def _compress_example(target: Target) -> CompressProblem:
+    return CompressProblem("fp8_ds_mla", 512, 4, "int64", 1e-6, target.device_type)
 
 
 PREFILL_OP = register(Op("kv_compress_prefill", PREFILL_SPEC, module="kv_cache", example_problem=_compress_example))
@@ -453,7 +496,7 @@ def _kv_compress_prefill_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Te
                             score_state: Optional[torch.Tensor], eps: float) -> None:
     d = norm_weight.shape[0]
     fmt, _ = _cache_info(cache, d)
-    problem = {"fmt": fmt, "d": d, "ratio": ape.shape[0], "pos": "int32", "eps": float(eps), "device": kv.device.type}
+    problem = CompressProblem(fmt, d, ape.shape[0], "int32", float(eps), kv.device.type)
     PREFILL_OP.dispatch(problem, Target.of(kv.device), kv=kv, score=score, ape=ape, norm_weight=norm_weight,
                         rope_cos_sin=rope_cos_sin, cu_seqlens=cu_seqlens, block_table=block_table, cache=cache,
                         kv_state=kv_state, score_state=score_state)
@@ -470,8 +513,7 @@ def _kv_compress_decode_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Ten
                            cache: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor, eps: float) -> None:
     d = norm_weight.shape[0]
     fmt, _ = _cache_info(cache, d)
-    problem = {"fmt": fmt, "d": d, "ratio": ape.shape[0], "pos": dtype_name(positions.dtype), "eps": float(eps),
-               "device": kv.device.type}
+    problem = CompressProblem(fmt, d, ape.shape[0], dtype_name(positions.dtype), float(eps), kv.device.type)
     DECODE_OP.dispatch(problem, Target.of(kv.device), kv=kv, score=score, ape=ape, norm_weight=norm_weight,
                        rope_cos_sin=rope_cos_sin, positions=positions, block_table=block_table, cache=cache,
                        kv_state=kv_state, score_state=score_state)

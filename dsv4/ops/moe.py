@@ -20,7 +20,7 @@ glue ops), ``kernels_dsl/moe.py`` (dsl, the grouped GEMMs on the ``kernels_dsl/s
   SwiGLU + routing weight (+ FP8 1x128 UE8M0 requant for W4A8).
 * :func:`moe_gemm2` (``dsv4::moe_gemm2``): grouped GEMM2 (W2), fp32 rows.
   The two GEMM ops run on the CuTe DSL grouped GEMM except where the CUDA decode kernel is measured
-  faster (few rows per expert; ``GEMM_KINDS``, docs/benchmarks.md, 2026-12-01).
+  faster (few rows per expert; ``GEMM_KINDS``, docs/benchmarks.md).
 * :func:`moe_forward`: the routed-expert layer (route -> permute -> GEMM1 -> GEMM2 -> combine).
 
 Formulas: dsv4_spec.md 2.5 (FLASH-REF model.py L546-645) and 2.1 (act_quant, fp4_gemm).
@@ -44,7 +44,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, custom_op, register
+from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 
 FORMATS = {"mxfp4": 32, "nvfp4": 16}
@@ -54,6 +54,60 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: ``moe_forward(out_dtype=...)`` choices (floating only: an integer dtype would truncate)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LAYOUTS = ("contiguous", "masked")
+
+
+# ------------------------------------------------------------------------------------------
+# problems: what selects a provider and its config (frozen, hashable: the registry's cache key)
+@dataclass(frozen=True)
+class PrepareProblem(Problem):
+    fmt: str            # "mxfp4" | "nvfp4"
+    device: str
+
+
+@dataclass(frozen=True)
+class RouteProblem(Problem):
+    topk: int
+    hash: bool          # hash layer (tid2eid[input_ids]) instead of the score top-k
+    E: int
+    device: str
+
+
+@dataclass(frozen=True)
+class PermuteProblem(Problem):
+    act: str            # "fp8" | "bf16"
+    layout: str         # "contiguous" | "masked"
+    E: int
+    k: int              # top-k
+    D: int
+    device: str
+
+
+@dataclass(frozen=True)
+class CombineProblem(Problem):
+    k: int
+    D: int
+    y_dtype: str        # dtype name of the GEMM2 rows
+    out_dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class GemmProblem(Problem):
+    """``moe_gemm1_swiglu`` / ``moe_gemm2``: formats, sizes (``N`` weight rows: 2I / D, ``K``
+    reduction), grouped rows ``R``, ``rows``: an upper bound of the rows that hold an assignment
+    (``min(R, T * topk)``: the masked layout's ``E * max_m`` slots are mostly empty at decode) and
+    the scheduling hint ``max_m`` (largest rows per expert; None = unknown, the kernels assume
+    ``R / E``). ``R`` / ``rows`` / ``max_m`` only select kernel configurations."""
+
+    fmt: str
+    act: str
+    E: int
+    N: int
+    K: int
+    R: int
+    rows: int
+    max_m: Optional[int]
+    device: str
 
 # ------------------------------------------------------------------------------------------
 # prepare
@@ -134,7 +188,7 @@ class MoEWeights:
 
 
 def _ex_prepare(target):
-    return {"fmt": "mxfp4", "device": target.device_type}
+    return PrepareProblem("mxfp4", target.device_type)
 
 
 PREPARE_OP = register(Op("moe_prepare_weights", PREPARE_SPEC, module="moe", kinds=("torch",),
@@ -232,7 +286,7 @@ def moe_prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Te
                                  "w13_global": w13_global, "w2_global": w2_global},
                                 symbols={"SF": SF, "I": w13.shape[1] // 2 if w13.dim() == 3 else -1,
                                          "D": 2 * w13.shape[2] if w13.dim() == 3 else -1})
-    problem = {"fmt": fmt, "device": w13.device.type}
+    problem = PrepareProblem(fmt, w13.device.type)
     return PREPARE_OP.dispatch(problem, Target.of(w13.device), w13=w13, w13_scale=w13_scale, w2=w2,
                                w2_scale=w2_scale, w13_global=w13_global, w2_global=w2_global,
                                E=env["E"], I=env["I"], D=env["D"])
@@ -292,7 +346,7 @@ ROUTE_SPEC = OpSpec(
 
 
 def _ex_route(target):
-    return {"topk": 6, "hash": False, "E": 256, "device": target.device_type}
+    return RouteProblem(6, False, 256, target.device_type)
 
 
 #: the layer glue ops (route, permute, combine) share the provider module ``moe_glue``
@@ -304,7 +358,7 @@ ROUTE_OP = register(Op("moe_route", ROUTE_SPEC, module="moe_glue", example_probl
 def _moe_route_op(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor],
                   input_ids: Optional[torch.Tensor], tid2eid: Optional[torch.Tensor], topk: int,
                   route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = {"topk": topk, "hash": tid2eid is not None, "E": gate_weight.shape[0], "device": x.device.type}
+    problem = RouteProblem(topk, tid2eid is not None, gate_weight.shape[0], x.device.type)
     return ROUTE_OP.dispatch(problem, Target.of(x.device), x=x, gate_weight=gate_weight, bias=bias,
                              input_ids=input_ids, tid2eid=tid2eid, topk=topk, route_scale=route_scale)
 
@@ -382,7 +436,7 @@ class MoEGrouped(NamedTuple):
     int64 ``[T*topk]`` row of each (token, slot) or -1 (dropped: masked layout count > max_m, or
     an expert id outside ``[0, E)``). Rows that hold no assignment are unspecified. The grouped GEMMs
     read ``pos.numel()`` (= T*topk) as the upper bound of the assignments that sizes the cuda decode
-    plan (never the result): a hand-built grouping should give ``pos`` its real ``[T*topk]`` length.
+    config (never the result): a hand-built grouping should give ``pos`` its real ``[T*topk]`` length.
     :meth:`dropped` counts the dropped assignments on the device.
     """
 
@@ -458,11 +512,11 @@ COMBINE_SPEC = OpSpec(
 
 
 def _ex_permute(target):
-    return {"act": "fp8", "layout": "contiguous", "E": 256, "k": 6, "D": 4096, "device": target.device_type}
+    return PermuteProblem("fp8", "contiguous", 256, 6, 4096, target.device_type)
 
 
 def _ex_combine(target):
-    return {"k": 6, "D": 4096, "y_dtype": "float32", "out_dtype": "float32", "device": target.device_type}
+    return CombineProblem(6, 4096, "float32", "float32", target.device_type)
 
 
 PERMUTE_OP = register(Op("moe_permute", PERMUTE_SPEC, module="moe_glue", example_problem=_ex_permute))
@@ -473,8 +527,7 @@ COMBINE_OP = register(Op("moe_combine", COMBINE_SPEC, module="moe_glue", example
 def _moe_permute_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, act: str,
                     layout: str, max_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                       torch.Tensor, torch.Tensor]:
-    problem = {"act": act, "layout": layout, "E": num_experts, "k": topk_idx.shape[1], "D": x.shape[1],
-               "device": x.device.type}
+    problem = PermuteProblem(act, layout, num_experts, topk_idx.shape[1], x.shape[1], x.device.type)
     return PERMUTE_OP.dispatch(problem, Target.of(x.device), x=x, topk_idx=topk_idx, topk_w=topk_w,
                                num_experts=num_experts, act=act, layout=layout, max_m=max_m)
 
@@ -495,8 +548,7 @@ def _(x, topk_idx, topk_w, num_experts, act, layout, max_m):
 def _moe_combine_op(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int,
                     out_dtype: torch.dtype) -> torch.Tensor:
     from ._common import dtype_name
-    problem = {"k": topk, "D": y.shape[1], "y_dtype": dtype_name(y.dtype), "out_dtype": dtype_name(out_dtype),
-               "device": y.device.type}
+    problem = CombineProblem(topk, y.shape[1], dtype_name(y.dtype), dtype_name(out_dtype), y.device.type)
     return COMBINE_OP.dispatch(problem, Target.of(y.device), y=y, pos=pos, num_tokens=num_tokens, topk=topk,
                                out_dtype=out_dtype)
 
@@ -686,40 +738,30 @@ GEMM2_SPEC = OpSpec(
 
 
 def _ex_gemm(target):
-    return {"fmt": "mxfp4", "act": "fp8", "E": 256, "N": 4096, "K": 4096, "R": 24576, "max_m": None,
-            "device": target.device_type}
+    return GemmProblem("mxfp4", "fp8", 256, 4096, 4096, 24576, 24576, None, target.device_type)
 
 
 #: provider preference of the grouped GEMMs: ``cuda`` is asked first but accepts only the problems
 #: where a CUDA kernel is measured faster, with that reason (kernels_cuda/moe.py: the moe_decode.cu
 #: decode kernel at <= 16 rows per expert); everything else -- prefill, both formats, W4A8 and W4A16
-#: -- runs on the CuTe DSL grouped GEMM (kernels_dsl/moe.py; GPU tests passed in jobs moe-11, moe-12 and
-#: moe-13, 2026-12-01; faster than the deleted moe.cu prefill kernels for every class: 1.07-2.37x, moe-13).
-#: ``registry.last_choice(op).explain()`` shows the decision and the skipped provider's reason.
+#: -- runs on the CuTe DSL grouped GEMM (kernels_dsl/moe.py; timings in docs/benchmarks.md).
+#: ``registry.last_choice(op).explain()`` shows the decision, the skipped provider's reason and the
+#: chosen kernel's config (DecodeConfig / GroupedGemmConfig).
 GEMM_KINDS = ("cuda", "dsl", "torch")
-#: environment variables the cuda provider's supports() reads (through kernels_cuda/moe_decode.plan):
-#: part of the registry's choice cache key, so changing one between calls re-decides
-GEMM_ENV = ("DSV4_MOE_DECODE", "DSV4_MOE_DECODE_MAXM", "DSV4_MOE_DECODE_NWG", "DSV4_MOE_DECODE_STAGES")
-GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm,
-                       env=GEMM_ENV))
-GEMM2_OP = register(Op("moe_gemm2", GEMM2_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm,
-                       env=GEMM_ENV))
+GEMM1_OP = register(Op("moe_gemm1_swiglu", GEMM1_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))
+GEMM2_OP = register(Op("moe_gemm2", GEMM2_SPEC, module="moe", kinds=GEMM_KINDS, example_problem=_ex_gemm))
 
 
 def _act_of(a: torch.Tensor) -> str:
     return "fp8" if a.dtype == torch.float8_e4m3fn else "bf16"
 
 
-def _gemm_problem(a: torch.Tensor, w: torch.Tensor, fmt: str, max_m: Optional[int], assignments: int = -1) -> dict:
-    """Dispatch problem of the grouped GEMMs: formats, sizes, grouped rows ``R``, the scheduling
-    hint ``max_m`` (largest rows per expert; None = unknown, the kernels assume ``R / E``) and
-    ``rows``: an upper bound of the rows that hold an assignment (``min(R, T * topk)``: the masked
-    layout's ``R = E * max_m`` slots are mostly empty at decode). ``R`` / ``max_m`` / ``rows`` only
-    select kernel configurations (shown by ``explain()``)."""
+def _gemm_problem(a: torch.Tensor, w: torch.Tensor, fmt: str, max_m: Optional[int], assignments: int = -1) -> GemmProblem:
+    """The :class:`GemmProblem` of a grouped GEMM call (``assignments`` < 0: unknown, ``rows = R``)."""
     R = a.shape[0]
-    return {"fmt": fmt, "act": _act_of(a), "E": w.shape[0], "N": w.shape[1], "K": a.shape[1], "R": R,
-            "rows": R if assignments is None or assignments < 0 else min(R, int(assignments)),
-            "max_m": None if max_m is None or max_m < 0 else int(max_m), "device": a.device.type}
+    return GemmProblem(fmt, _act_of(a), w.shape[0], w.shape[1], a.shape[1], R,
+                       R if assignments is None or assignments < 0 else min(R, int(assignments)),
+                       None if max_m is None or max_m < 0 else int(max_m), a.device.type)
 
 
 @custom_op("dsv4::moe_gemm1_swiglu", mutates_args=())
@@ -775,7 +817,7 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = Non
         max_m: optional scheduling hint, the largest ``row_count`` of any expert (the masked
             layout's ``max_m``; DeepGEMM's ``expected_m_per_group``). Only the kernel
             configuration (token tile) depends on it, never the result; None = ``R / E``. The
-            dsl provider reads it; the cuda (decode) provider plans from the assignments per expert
+            dsl provider reads it; the cuda (decode) provider configures from the assignments per expert
             (``min(R, T * topk) / E``, ``g.pos`` holds one entry per assignment), so a masked layout
             with one hot expert still runs the decode kernel (it cuts that expert into token chunks).
 

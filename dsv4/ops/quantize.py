@@ -19,15 +19,16 @@ scale and zero codes (it decodes to NaN); FP8 keeps NaN per element (E4M3 has a 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
 from ..formats import NVFP4Tensor
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
-from ..registry import Op, custom_op, register
+from ..registry import Op, Problem, custom_op, register
 from ..target import Target
-from ._common import dtype_name
+from ._common import GraphCase, bytes_of, dtype_name
 
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SF_LAYOUTS = ("linear", "swizzled")
@@ -127,22 +128,67 @@ SPEC_DQ = OpSpec(
 )
 
 
-def _example_nvfp4(target: Target) -> dict:
-    return {"in_dtype": "bfloat16", "K": 7168, "sf_layout": "swizzled", "global_scale": False,
-            "device": target.device_type}
+# ------------------------------------------------------------------------------ problems
+# What selects a provider (frozen: the registry's cache key). ``M`` (rows) is part of every problem:
+# the registry prefers the provider measured faster for the size class (kernels_dsl/quantize.py MEASURED).
+@dataclass(frozen=True)
+class Nvfp4Problem(Problem):
+    in_dtype: str       # "bfloat16" | "float16"
+    K: int
+    sf_layout: str      # "linear" | "swizzled"
+    global_scale: bool  # given (True) or computed from the device amax (False)
+    M: int
+    device: str
 
 
-def _example_mxfp4(target: Target) -> dict:
-    return {"in_dtype": "bfloat16", "K": 7168, "rule": "dsv4", "device": target.device_type}
+@dataclass(frozen=True)
+class Mxfp4Problem(Problem):
+    in_dtype: str
+    K: int
+    rule: str           # "dsv4" | "ocp"
+    M: int
+    device: str
 
 
-def _example_fp8(target: Target) -> dict:
-    return {"in_dtype": "bfloat16", "K": 7168, "block": 128, "scale_fmt": "ue8m0", "scale_dtype": "float32",
-            "device": target.device_type}
+@dataclass(frozen=True)
+class Fp8Problem(Problem):
+    in_dtype: str
+    K: int
+    block: int          # 32 | 64 | 128
+    scale_fmt: str      # "fp32" | "ue8m0"
+    scale_dtype: str    # "float32" | "float8_e8m0fnu"
+    M: int
+    device: str
 
 
-def _example_dq(target: Target) -> dict:
-    return {"K": 7168, "block": 128, "scale_dtype": "float32", "out_dtype": "bfloat16", "device": target.device_type}
+@dataclass(frozen=True)
+class DequantFp8Problem(Problem):
+    K: int
+    block: int
+    scale_dtype: str
+    out_dtype: str
+    M: int
+    device: str
+
+
+#: rows of the ``dsv4 ops`` example problems (a prefill-sized class)
+_EXAMPLE_M = 8192
+
+
+def _example_nvfp4(target: Target) -> Nvfp4Problem:
+    return Nvfp4Problem("bfloat16", 7168, "swizzled", False, _EXAMPLE_M, target.device_type)
+
+
+def _example_mxfp4(target: Target) -> Mxfp4Problem:
+    return Mxfp4Problem("bfloat16", 7168, "dsv4", _EXAMPLE_M, target.device_type)
+
+
+def _example_fp8(target: Target) -> Fp8Problem:
+    return Fp8Problem("bfloat16", 7168, 128, "ue8m0", "float32", _EXAMPLE_M, target.device_type)
+
+
+def _example_dq(target: Target) -> DequantFp8Problem:
+    return DequantFp8Problem(7168, 128, "float32", "bfloat16", _EXAMPLE_M, target.device_type)
 
 
 OP_NVFP4 = register(Op("quantize_nvfp4", SPEC_NVFP4, module="quantize", example_problem=_example_nvfp4))
@@ -160,8 +206,8 @@ def _swizzled_shape(M: int, K: int) -> tuple:
 @custom_op("dsv4::quantize_nvfp4", mutates_args=())
 def _quantize_nvfp4_op(x: torch.Tensor, global_scale: Optional[torch.Tensor],
                        sf_layout: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem = {"in_dtype": dtype_name(x.dtype), "K": x.shape[1], "sf_layout": sf_layout,
-               "global_scale": global_scale is not None, "device": x.device.type, "M": x.shape[0]}
+    problem = Nvfp4Problem(dtype_name(x.dtype), x.shape[1], sf_layout, global_scale is not None, x.shape[0],
+                           x.device.type)
     return OP_NVFP4.dispatch(problem, Target.of(x.device), x=x, global_scale=global_scale)
 
 
@@ -175,7 +221,7 @@ def _(x, global_scale, sf_layout):
 
 @custom_op("dsv4::quantize_mxfp4", mutates_args=())
 def _quantize_mxfp4_op(x: torch.Tensor, rule: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    problem = {"in_dtype": dtype_name(x.dtype), "K": x.shape[1], "rule": rule, "device": x.device.type, "M": x.shape[0]}
+    problem = Mxfp4Problem(dtype_name(x.dtype), x.shape[1], rule, x.shape[0], x.device.type)
     return OP_MXFP4.dispatch(problem, Target.of(x.device), x=x)
 
 
@@ -188,8 +234,8 @@ def _(x, rule):
 @custom_op("dsv4::quantize_fp8_block", mutates_args=())
 def _quantize_fp8_block_op(x: torch.Tensor, block: int, scale_fmt: str,
                            scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    problem = {"in_dtype": dtype_name(x.dtype), "K": x.shape[1], "block": block, "scale_fmt": scale_fmt,
-               "scale_dtype": dtype_name(scale_dtype), "device": x.device.type, "M": x.shape[0]}
+    problem = Fp8Problem(dtype_name(x.dtype), x.shape[1], block, scale_fmt, dtype_name(scale_dtype), x.shape[0],
+                         x.device.type)
     return OP_FP8.dispatch(problem, Target.of(x.device), x=x)
 
 
@@ -202,8 +248,8 @@ def _(x, block, scale_fmt, scale_dtype):
 @custom_op("dsv4::dequantize_fp8_block", mutates_args=())
 def _dequantize_fp8_block_op(q: torch.Tensor, scale: torch.Tensor, block: int,
                              out_dtype: torch.dtype) -> torch.Tensor:
-    problem = {"K": q.shape[1], "block": block, "scale_dtype": dtype_name(scale.dtype),
-               "out_dtype": dtype_name(out_dtype), "device": q.device.type, "M": q.shape[0]}
+    problem = DequantFp8Problem(q.shape[1], block, dtype_name(scale.dtype), dtype_name(out_dtype), q.shape[0],
+                                q.device.type)
     return OP_DQ.dispatch(problem, Target.of(q.device), q=q, scale=scale)
 
 
@@ -376,18 +422,6 @@ __all__ = ["quantize_nvfp4", "quantize_mxfp4", "quantize_fp8_block", "dequantize
 
 
 # ------------------------------------------------------------------------------ graph cases
-class _GraphCase:
-    """A CUDA-graph test case (see tests/test_graph_capture.py): static inputs, ``run()``,
-    ``refresh()`` rewriting the inputs in place, and a ``problem`` dict for ``supports``."""
-
-    def __init__(self, label, op, run, refresh, problem):
-        self.label, self.op, self.run, self.refresh, self.problem = label, op, run, refresh, problem
-
-
-def _bytes(*ts: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in ts])
-
-
 def graph_cases(device) -> list:
     """Graph-capture cases for the four ops (NVFP4: two-launch, single-CTA and given-scale paths)."""
     from .. import formats as F
@@ -414,23 +448,21 @@ def graph_cases(device) -> list:
     dt = dev.type
 
     def nv(layout, gs=False, src=x):
-        return lambda: (lambda t: _bytes(t.data, t.scale, t.global_scale.reshape(1)))(
+        return lambda: (lambda t: bytes_of(t.data, t.scale, t.global_scale.reshape(1)))(
             quantize_nvfp4(src, global_scale=g if gs else None, sf_layout=layout))
 
-    nvp = lambda layout, gs, m=M: {"in_dtype": "bfloat16", "K": K, "sf_layout": layout, "global_scale": gs, "device": dt,
-                                   "M": m}
+    nvp = lambda layout, gs, m=M: Nvfp4Problem("bfloat16", K, layout, gs, m, dt)  # noqa: E731
     return [
-        _GraphCase("quantize_nvfp4-swz-amax", "quantize_nvfp4", nv("swizzled"), refresh, nvp("swizzled", False)),
-        _GraphCase("quantize_nvfp4-lin-amax-1row", "quantize_nvfp4", nv("linear", src=xd), refresh,
-                   nvp("linear", False, 1)),
-        _GraphCase("quantize_nvfp4-swz-given", "quantize_nvfp4", nv("swizzled", gs=True), refresh, nvp("swizzled", True)),
-        _GraphCase("quantize_mxfp4-dsv4", "quantize_mxfp4", lambda: _bytes(*quantize_mxfp4(x)), refresh,
-                   {"in_dtype": "bfloat16", "K": K, "rule": "dsv4", "device": dt, "M": M}),
-        _GraphCase("quantize_fp8_block-ue8m0", "quantize_fp8_block",
-                   lambda: _bytes(*quantize_fp8_block(x, scale_fmt="ue8m0", scale_dtype=torch.float8_e8m0fnu)), refresh,
-                   {"in_dtype": "bfloat16", "K": K, "block": 128, "scale_fmt": "ue8m0",
-                    "scale_dtype": "float8_e8m0fnu", "device": dt, "M": M}),
-        _GraphCase("dequantize_fp8_block-bf16", "dequantize_fp8_block",
-                   lambda: dequantize_fp8_block(q, qs, block=128, out_dtype=torch.bfloat16), refresh,
-                   {"K": K, "block": 128, "scale_dtype": "float32", "out_dtype": "bfloat16", "device": dt, "M": M}),
+        GraphCase("quantize_nvfp4-swz-amax", "quantize_nvfp4", nv("swizzled"), refresh, nvp("swizzled", False)),
+        GraphCase("quantize_nvfp4-lin-amax-1row", "quantize_nvfp4", nv("linear", src=xd), refresh,
+                  nvp("linear", False, 1)),
+        GraphCase("quantize_nvfp4-swz-given", "quantize_nvfp4", nv("swizzled", gs=True), refresh, nvp("swizzled", True)),
+        GraphCase("quantize_mxfp4-dsv4", "quantize_mxfp4", lambda: bytes_of(*quantize_mxfp4(x)), refresh,
+                  Mxfp4Problem("bfloat16", K, "dsv4", M, dt)),
+        GraphCase("quantize_fp8_block-ue8m0", "quantize_fp8_block",
+                  lambda: bytes_of(*quantize_fp8_block(x, scale_fmt="ue8m0", scale_dtype=torch.float8_e8m0fnu)), refresh,
+                  Fp8Problem("bfloat16", K, 128, "ue8m0", "float8_e8m0fnu", M, dt)),
+        GraphCase("dequantize_fp8_block-bf16", "dequantize_fp8_block",
+                  lambda: dequantize_fp8_block(q, qs, block=128, out_dtype=torch.bfloat16), refresh,
+                  DequantFp8Problem(K, 128, "float32", "bfloat16", M, dt)),
     ]

@@ -32,7 +32,7 @@ reference, BF16 tensor-core products with FP32 accumulation, probabilities round
 the PV product (as FlashMLA): ``|out - out_ref| <= 2e-3 * max|out_ref| + ulp_bf16(out_ref) / 2``
 (the second term is the bf16 output rounding) and ``|lse - lse_ref| <= 1e-3 + 2e-6 * |lse_ref|``
 (the relative term is the FP32 accumulation of 512-dim scores: with the heavy-scale-spread test
-caches ``|lse|`` reaches ~930, where 1e-3 is 16 fp32 ulps; H200 job lead-18 measured 1.04e-3 there),
+caches ``|lse|`` reaches ~930, where 1e-3 is 16 fp32 ulps; measured: docs/benchmarks.md),
 against the fp32 reference on the same dequantized rows.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
-from .kv_cache import _CACHE_PACKING, _cache_info, _check_ids
+from .kv_cache import _CACHE_PACKING, _cache_info, _cache_pair, _check_ids
 
 __all__ = ["sparse_attention", "sparse_attention_decode", "window_slots", "compressed_slots", "hca_slots",
            "HEAD_DIM", "WINDOW", "DEFAULT_SCALE"]
@@ -205,14 +205,7 @@ def validate_args(q, swa_cache, swa_indices, swa_lens, sink=None, *, cache=None,
     syms = SPEC.validate(tensors, specs=[s for s in SPEC.inputs if s.name in tensors])
     if syms["H"] < 1:
         raise LayoutError("sparse_attention: argument 'q' must have H >= 1 heads")
-    fmt, sbs = _cache_info(swa_cache, HEAD_DIM, "swa_cache")
-    if cache is not None:
-        cfmt, cbs = _cache_info(cache, HEAD_DIM, "cache")
-        if cfmt != fmt:
-            raise LayoutError(f"sparse_attention: 'cache' format {cfmt} differs from 'swa_cache' format {fmt}")
-    for name, t in (("swa_cache", swa_cache), ("cache", cache)):
-        if t is not None and t.device != q.device:
-            raise LayoutError(f"sparse_attention: '{name}' is on {t.device}, 'q' on {q.device}")
+    fmt, sbs, cbs = _cache_pair("sparse_attention", swa_cache, "swa_cache", cache, "cache", HEAD_DIM, q.device, "q")
     if debug_check:
         _check_lists("swa_indices", swa_indices, "swa_lens", swa_lens, swa_cache.shape[0] * sbs)
         if cache is not None:

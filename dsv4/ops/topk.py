@@ -9,12 +9,13 @@ map to -1).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..layout import OpSpec, Param, TensorSpec
-from ..registry import Op, custom_op, register
+from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 
 K_MAX = 2048
@@ -72,8 +73,22 @@ SPEC = OpSpec(
 )
 
 
-def _example(target: Target) -> dict:
-    return {"k": 512, "prefill": False, "mapped": False, "sorted": True, "device": target.device_type}
+@dataclass(frozen=True)
+class TopkProblem(Problem):
+    """``topk`` provider selection: ``k`` entries per row, prefill rows (``starts`` given), a
+    ``block_table`` mapping, the sorted order, the device type. The launch configuration
+    (``kernels_cuda.topk.TopkConfig``) is chosen per call from the shape by the provider's heuristic
+    and shown by ``registry.last_choice("topk").explain()``."""
+
+    k: int
+    prefill: bool
+    mapped: bool
+    sorted: bool
+    device: str
+
+
+def _example(target: Target) -> TopkProblem:
+    return TopkProblem(512, False, False, True, target.device_type)
 
 
 OP = register(Op("topk", SPEC, example_problem=_example))
@@ -83,8 +98,7 @@ OP = register(Op("topk", SPEC, example_problem=_example))
 def _topk_op(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Optional[torch.Tensor],
              block_table: Optional[torch.Tensor], block_size: int, rows_per_seq: int, sorted: bool,
              num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = {"k": k, "prefill": starts is not None, "mapped": block_table is not None, "sorted": sorted,
-               "device": logits.device.type}
+    problem = TopkProblem(k, starts is not None, block_table is not None, sorted, logits.device.type)
     return OP.dispatch(problem, Target.of(logits.device), logits=logits, lengths=lengths, k=k, starts=starts,
                        block_table=block_table, block_size=block_size, rows_per_seq=rows_per_seq, sorted=sorted,
                        num_blocks=None if num_blocks < 0 else num_blocks)
@@ -172,7 +186,7 @@ def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: Optiona
     return (idx, sc) if return_scores else idx
 
 
-__all__ = ["topk"]
+__all__ = ["topk", "TopkProblem"]
 
 
 def _by_index(idx: torch.Tensor, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

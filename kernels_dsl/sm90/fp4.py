@@ -368,8 +368,7 @@ def run_probe(words, ds):
     """Run :class:`Fp4DecodeProbe` on the current CUDA device (torch int tensors in, uint32 rows
     as an int64 ``[N, 12]`` tensor out). GPU only."""
     import torch
-    from cutlass.cute.runtime import from_dlpack
-    from .._compile import compile_cached, current_stream
+    from .._compile import compile_cached, current_stream, dl
     from dsv4.target import Target
     dev = torch.device("cuda")
     arch = Target.of(dev).arch
@@ -378,13 +377,7 @@ def run_probe(words, ds):
     d = torch.as_tensor(ds, dtype=torch.int32).to(dev)
     out = torch.zeros((w.numel(), 12), dtype=torch.int32, device=dev)
 
-    def u32(t, align=4):
-        x = from_dlpack(t.view(torch.int32), assumed_align=align)
-        x.element_type = Uint32
-        return x
-    dd = from_dlpack(d, assumed_align=4)
-    fn(u32(w).mark_layout_dynamic(), dd.mark_layout_dynamic(), u32(out).mark_layout_dynamic(leading_dim=1),
-       current_stream())
+    fn(dl(w, 4, Uint32), dl(d, 4), dl(out, 4, Uint32), current_stream())
     torch.cuda.synchronize()
     return out.cpu().to(torch.int64) & _M32
 

@@ -55,30 +55,11 @@ words instead, off the critical path; job moe-22: 1.06-1.15x over 40 / 232), W4A
 
 Precision contract (tests/test_moe.py, tests/test_moe_decode.py): W4A8 GEMM2 relative
 (Frobenius) error vs the exact-dequant fp32 reference on the same FP8 ``h`` <= 5e-3, NVFP4
-included; W4A16 <= 1e-5. Measured on the H200 (jobs moe-11, moe-12, moe-21..23: 9 experts, D 512 /
-1024, I 256 / 512, contiguous + masked, both token tiles, capped grids, both scale paths): W4A8
-1.1e-4 (MXFP4) / 1.9e-4 (NVFP4), W4A16 5.2e-7 / 5.7e-7; at the Flash shape the outputs are
-bit-identical to the previous kernel's (moe-23); ``h_s`` equal to the reference's on >= 99.99% of rows. Weight-scale folding bounds:
+included; W4A16 <= 1e-5 (measured errors: docs/benchmarks.md). Weight-scale folding bounds:
 :mod:`kernels_dsl.sm90.transform`.
 
-Performance (DSV4-Flash, GEMM1 + GEMM2, uniform top-6, CUDA-graph replay, H200; docs/benchmarks.md),
-job moe-23, same run, tree before this change (= moe-13) -> now: MXFP4 W4A8 T=1024 2535 -> 2264 us,
-T=4096 2950 -> 2586 us (419 -> 478 TFLOP/s), T=16384 9665 -> 8938 us (512 -> 554 TFLOP/s); NVFP4
-W4A8 T=4096 5549 -> 4433 us; W4A16 T=4096 3860 -> 3854 us. Profile (ncu, GEMM2 T=4096, jobs
-moe-21 / moe-22): not bandwidth-bound (DRAM 26%, L1 52%, shared-memory stalls 3-10%) but
-latency-bound: 3 warps per scheduler, 0.5 eligible, issue slots 33-38% busy; the consumer K loop
-is ~52% of the warp samples (stalls: fixed-latency dependencies 22%, issuing 19%, dispatch 10%,
-shared loads 10%, long scoreboard 8% -- was 26% from spill reloads before 24 / 240), the per-unit
-code (epilogue, block-0 decode, prologue hand-off) ~10%, TMA waits ~8%. The loop issues ~475
-instructions per thread per 128-K block (128 promotion FFMAs, 144 decode, ~60 WGMMA descriptor
-moves, ~80 per-item addressing / LUT / shared traffic), i.e. ~950 issue slots per scheduler
-against 1024 tensor-core cycles: the two consumer warps per scheduler can neither hide their
-latencies nor leave the tensor core busy. Tried and lost (moe-21 / moe-22): activation scales one
-block ahead (spills), all shared loads of a step first (more live registers: GEMM1 5% slower),
-split-N warpgroups (each consumer warpgroup one weight half for 128 rows, no per-K-block barrier
-between them: 10-20% slower, more registers). Next: fewer instructions per weight (WGMMA
-descriptors kept in uniform registers, one scale word and LUT setup per row instead of per item)
-and overlapping the next unit's block-0 decode and the epilogue with the MMA.
+Performance, profile (latency-bound consumer K loop, ~475 instructions per thread per 128-K block)
+and the variants that lost: docs/benchmarks.md ("MoE grouped GEMMs in CuTe DSL").
 
 Constraints (checked by the host wrapper, :mod:`kernels_dsl.moe`): ``K % BK == 0`` (128 FP8 /
 64 BF16), ``N % 256 == 0``, ``K / SF % 4 == 0``, contiguous row-major tensors, 16-byte aligned

@@ -7,6 +7,10 @@ DEADLINE=${1:-540}
 MODE=${2:-dsl}   # dsl: jobs without "# carry: peers"; peers: only those (second call, .peers carried)
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
+# apache-tvm-ffi (the CuTe DSL's fast call path) travels as a wheel in .tvmffi/ (not in the DSL bundle)
+if ls .tvmffi/*.whl >/dev/null 2>&1 && [ ! -d /tmp/tvmffi-site/tvm_ffi ]; then
+  mkdir -p /tmp/tvmffi-site && python3 -m zipfile -e .tvmffi/*.whl /tmp/tvmffi-site/ ; fi
+[ -d /tmp/tvmffi-site/tvm_ffi ] && export PYTHONPATH=$PYTHONPATH:/tmp/tvmffi-site
 RES=/tmp/gpuq_res; rm -rf "$RES"; mkdir -p "$RES"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader > "$RES/_gpu.txt" 2>&1
 python3 -c "import torch;print(torch.__version__, torch.cuda.get_device_name())" >> "$RES/_gpu.txt" 2>&1
