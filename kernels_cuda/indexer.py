@@ -116,13 +116,10 @@ class CudaQQuant(_Base):
     describe = "indexer.cu indexer_quant_kernel (mode 1): warp per (t, h) row"
 
     def run(self, problem, *, q, w, global_scale):
+        from dsv4.ops.indexer import q_quant_outputs
         fmt = problem["fmt"]
-        T = q.shape[0]
-        vb, sb = _VB[fmt], _SB[fmt]
-        q_data = torch.empty((T, 64, vb), dtype=torch.uint8, device=q.device)
-        q_sf = torch.empty((T, 64, 0 if fmt == "fp8" else sb), dtype=torch.uint8, device=q.device)
-        w_out = torch.empty((T, 64), dtype=torch.float32, device=q.device)
-        rows = T * 64
+        q_data, q_sf, w_out = q_quant_outputs(q, fmt)
+        rows = q.shape[0] * 64
         if rows == 0:
             return q_data, q_sf, w_out
         mod = load("indexer.cu", IDX_FMT=_FMT[fmt], IDX_HADAMARD=int(problem["hadamard"]))

@@ -56,9 +56,6 @@ except Exception:  # noqa: BLE001
 
 __all__ = ["IndexerQuantConfig", "IndexerQuantKernel", "DslCacheWrite", "DslQQuant", "PROVIDERS", "compile_check"]
 
-#: fmt -> (value bytes, scale bytes) per row (dsv4.reference.indexer.FORMATS)
-_VB = {"mxfp4": 64, "nvfp4": 64, "fp8": 128}
-_SB = {"mxfp4": 4, "nvfp4": 8, "fp8": 4}
 F64_RSQRT128 = "0d3FB6A09E667F3BCD"     # fp64(128^-0.5), the reference's torch.tensor(128 ** -0.5, float64)
 
 #: what every variant's PTX contains (16-byte loads, 4-byte stores); the Hadamard variants also HADAMARD_PTX
@@ -156,8 +153,9 @@ if _HAVE_DSL:
         ``gsrc`` the NVFP4 fp32 global decode scale."""
 
         def __init__(self, cfg: IndexerQuantConfig):
+            from dsv4.ops.indexer import FORMATS     # fmt -> (value bytes, scale bytes) per row
             self.cfg = cfg
-            self.vb, self.sb = _VB[cfg.fmt], _SB[cfg.fmt]
+            self.vb, self.sb = FORMATS[cfg.fmt]
 
         @cute.jit
         def __call__(self, x: Int64, slots: Int64, gsrc: Int64, out: Int64, sf_out: Int64, w_in: Int64, w_out: Int64,
@@ -401,14 +399,10 @@ class DslQQuant(_Base):
         return no if no is not None else Support.yes("sm_90a, every format, hadamard or not (forced)")
 
     def run(self, problem, *, q, w, global_scale):
-        import torch
+        from dsv4.ops.indexer import q_quant_outputs
         fmt = problem["fmt"]
-        T = q.shape[0]
-        vb, sb = _VB[fmt], _SB[fmt]
-        q_data = torch.empty((T, 64, vb), dtype=torch.uint8, device=q.device)
-        q_sf = torch.empty((T, 64, 0 if fmt == "fp8" else sb), dtype=torch.uint8, device=q.device)
-        w_out = torch.empty((T, 64), dtype=torch.float32, device=q.device)
-        rows = T * 64
+        q_data, q_sf, w_out = q_quant_outputs(q, fmt)
+        rows = q.shape[0] * 64
         if rows == 0:
             return q_data, q_sf, w_out
         cfg = _cfg(fmt, problem["hadamard"] in (True, 1), False, True, rows, q.device)

@@ -250,13 +250,19 @@ def _q_quant_op(q: torch.Tensor, w: torch.Tensor, global_scale: Optional[torch.T
     return Q_QUANT_OP.dispatch(problem, Target.of(q.device), q=q, w=w, global_scale=global_scale)
 
 
+def q_quant_outputs(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The uninitialized outputs of ``indexer_q_quant`` for ``q`` ``[T, 64, 128]``: q_data uint8
+    ``[T, 64, VB]``, q_sf uint8 ``[T, 64, SBQ]`` (fp8: size-0 last dim), w_out fp32 ``[T, 64]``, on
+    ``q``'s device (shared by the fake implementation and every kernel provider)."""
+    T = q.shape[0]
+    return (q.new_empty((T, HEADS, FORMATS[fmt][0]), dtype=torch.uint8),
+            q.new_empty((T, HEADS, _sbq(fmt)), dtype=torch.uint8),
+            q.new_empty((T, HEADS), dtype=torch.float32))
+
+
 @_q_quant_op.register_fake
 def _(q, w, global_scale, fmt, hadamard):
-    vb, sb = FORMATS[fmt]
-    T = q.shape[0]
-    return (q.new_empty((T, HEADS, vb), dtype=torch.uint8),
-            q.new_empty((T, HEADS, 0 if fmt == "fp8" else sb), dtype=torch.uint8),
-            w.new_empty((T, HEADS)))
+    return q_quant_outputs(q, fmt)
 
 
 def indexer_q_quant(q: torch.Tensor, w: torch.Tensor, *, fmt: str = "mxfp4", hadamard: bool = True,
