@@ -1,7 +1,8 @@
 """Benchmark dequant_fp4 (dsl / torch providers) against the copy-bandwidth roofline.
 
 Bytes = packed input + scales + output (read + written). Roofline = bytes / measured
-device-to-device copy bandwidth (read + write) in the same run. Inputs rotate past L2.
+device-to-device copy bandwidth (read + write) in the same run. Inputs rotate past L2, in the
+eager timing and in the CUDA-graph replay alike (``bench._util.time_graph`` over the rotating sets).
 
     PYTHONPATH=. python3 bench/bench_dequant_fp4.py [--json out.json] [--providers dsl,torch]
         [--shapes 8192x8192,16x7168] [--dsl-configs 256x1,256x2,...]
@@ -15,7 +16,7 @@ import argparse
 
 import torch
 
-from bench._util import copy_bandwidth, print_table, rotating, save_json, time_cuda
+from bench._util import copy_bandwidth, print_table, rotating, save_json, time_cuda, time_graph
 from dsv4 import registry
 from dsv4.formats import quantize_mxfp4, quantize_nvfp4
 from dsv4.ops import dequant_fp4
@@ -59,7 +60,7 @@ def main() -> None:
                                                                        out_dtype=out_dtype) for d, s, g in sets]
                             it = iter(range(1 << 30))
                             us = time_cuda(lambda: calls[next(it) % len(calls)](), iters=30)
-                            usg = time_cuda(lambda: calls[0](), iters=30, graph=True)
+                            usg = time_graph(calls, iters=len(calls), reps=15)
                     except Exception as e:  # noqa: BLE001
                         rows.append(dict(shape=f"{M}x{K}", fmt=fmt, out=str(out_dtype)[6:], provider=prov,
                                          note=f"skipped: {type(e).__name__}: {str(e)[:60]}"))

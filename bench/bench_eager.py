@@ -16,7 +16,12 @@ running): ``lib_us`` is the library's own time (argument checks, spec validation
 selection, the op boundary). The target applies to ``host_us`` on CUDA and to ``lib_us`` on CPU.
 
     PYTHONPATH=. python bench/bench_eager.py [--json out.json] [--ops topk,kv_gather] [--budget 0.2]
-        [--lib-only] [--deadline S] [--first topk,quantize] [--dsl-call tvm-ffi|dsl]   (or: dsv4 bench eager ...)
+        [--lib-only] [--deadline S] [--first topk,quantize] [--dsl-call tvm-ffi|dsl]
+        [--breakdown] [--cprofile N] [--variants old,new]          (or: dsv4 bench eager ...)
+
+``--breakdown`` adds the per-stage columns of :class:`Stages`; ``--variants`` times each call again
+under each named setting of the library's eager switches (:data:`VARIANTS`: ``old`` = every call through
+the ``torch.library`` dispatcher, ``new`` = the eager direct call) in the same process.
 """
 from __future__ import annotations
 
@@ -168,32 +173,211 @@ class _NullProviders:
         self.registry.Op.dispatch = self._orig
 
 
-def time_call(c: Call, cuda: bool, budget_s: float, max_iters: int = 400, lib_only: bool = False) -> dict:
+class Stages:
+    """Per-stage ``perf_counter_ns`` timers around one call (``--breakdown``): inside the block the
+    call path is patched so that every call adds its time to a stage (nested calls, e.g. an op that
+    calls another, add to the same stages):
+
+    * ``checks``: the public function's own Python (argument checks, :meth:`OpSpec.validate`, the
+      problem's inputs) = total - ``op_call``; ``validate`` = the part inside ``OpSpec.validate``;
+    * ``boundary``: calling the custom op until :meth:`Op.dispatch` (the dispatcher or the eager
+      direct call, the problem, ``Target.of``) = ``op_call`` - ``dispatch``;
+    * ``select``: :meth:`Op.select`; ``glue``: the provider's ``run`` less ``alloc`` and ``launch``;
+    * ``alloc``: ``torch.empty`` / ``zeros`` / ``empty_like`` / ``new_empty`` ... (``n_alloc`` calls);
+    * ``launch``: the compiled DSL function's call (TVM-FFI) and the NVRTC launches (``n_launch``).
+
+    Only the outermost occurrence of a stage is timed: what an op's provider does through another op
+    (``indexer_topk_paged`` -> ``topk``) counts as the outer op's ``glue``. The patches cost about
+    0.3 us each, so the stages add up to a little more than ``host_us``."""
+
+    _ALLOC = ("empty", "zeros", "empty_like", "zeros_like", "full", "ones", "empty_strided", "full_like")
+
+    def __init__(self):
+        self.t = dict.fromkeys(("total", "op_call", "dispatch", "select", "run", "validate", "alloc", "launch"), 0)
+        self.n = {"alloc": 0, "launch": 0}
+        self.depth = dict.fromkeys(self.t, 0)
+        self._undo = []
+
+    def _timed(self, stage: str, f: Callable, count: bool = False) -> Callable:
+        st, clock, depth = self, time.perf_counter_ns, self.depth
+
+        def w(*a, **k):
+            if depth[stage]:                          # a nested occurrence: in the outer one's time
+                return f(*a, **k)
+            depth[stage] = 1
+            t0 = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                st.t[stage] += clock() - t0
+                depth[stage] = 0
+                if count:
+                    st.n[stage] += 1
+        return w
+
+    def _patch(self, obj, name: str, stage: str, count: bool = False) -> None:
+        f = getattr(obj, name)
+        self._undo.append((obj, name, f))
+        setattr(obj, name, self._timed(stage, f, count))
+
+    def __enter__(self):
+        from dsv4 import layout, registry
+        self._patch(registry.CustomOp, "__call__", "op_call")
+        self._patch(registry.Op, "dispatch", "dispatch")
+        self._patch(registry.Op, "select", "select")
+        self._patch(layout.OpSpec, "validate", "validate")
+        for name in self._ALLOC:
+            self._patch(torch, name, "alloc", True)
+        for name in ("new_empty", "new_zeros", "new_full"):
+            self._patch(torch.Tensor, name, "alloc", True)
+        orig_run = {}
+        for op in registry.all_ops():                      # each chosen provider's run
+            for p in op._providers.values():
+                if isinstance(p, registry.Provider) and id(p) not in orig_run:
+                    orig_run[id(p)] = p
+                    self._undo.append((p, "run", None))
+                    p.run = self._timed("run", p.run)
+        try:
+            from kernels_cuda import nvrtc
+            if nvrtc._core_launch.__module__ != __name__:
+                self._patch(nvrtc, "_core_launch", "launch", True)
+        except ImportError:
+            pass
+        try:
+            from kernels_dsl import _compile
+            saved = dict(_compile._cache)
+            self._undo.append((_compile, "_cache", saved))
+            for k, f in saved.items():
+                _compile._cache[k] = self._timed("launch", f, True)
+        except ImportError:
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, f in reversed(self._undo):
+            if name == "_cache":
+                obj._cache.clear()
+                obj._cache.update(f)
+            elif f is None:
+                del obj.__dict__[name]                   # the instance attribute over the class's run
+            else:
+                setattr(obj, name, f)
+
+    def per_call(self, calls: int) -> dict:
+        t = {k: v / calls / 1e3 for k, v in self.t.items()}
+        return {"checks_us": t["total"] - t["op_call"], "validate_us": t["validate"],
+                "boundary_us": t["op_call"] - t["dispatch"], "select_us": t["select"],
+                "glue_us": t["run"] - t["alloc"] - t["launch"], "alloc_us": t["alloc"], "launch_us": t["launch"],
+                "n_alloc": self.n["alloc"] / calls, "n_launch": self.n["launch"] / calls, "staged_us": t["total"]}
+
+
+def breakdown(c: Call, cuda: bool, iters: int = 200) -> dict:
+    """:class:`Stages` of ``c`` per call (mean over ``iters`` calls after warm-up)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        c.fn(*c.args, **c.kwargs)
+    with Stages() as st:
+        for _ in range(5):
+            c.fn(*c.args, **c.kwargs)
+        st.t = dict.fromkeys(st.t, 0)
+        st.n = dict.fromkeys(st.n, 0)
+        clock = time.perf_counter_ns
+        for _ in range(iters):
+            sync()
+            t0 = clock()
+            c.fn(*c.args, **c.kwargs)
+            st.t["total"] += clock() - t0
+    return st.per_call(iters)
+
+
+def cprofile_call(c: Call, cuda: bool, top: int, iters: int = 300) -> str:
+    """``top`` functions by own time (cProfile) over ``iters`` calls of ``c``, per call."""
+    import cProfile
+    import io
+    import pstats
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        c.fn(*c.args, **c.kwargs)
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(iters):
+        c.fn(*c.args, **c.kwargs)
+    pr.disable()
+    sync()
+    out = io.StringIO()
+    st = pstats.Stats(pr, stream=out)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = [f"cProfile {c.name} [{c.label}] us/call own (cum) calls/call function"]
+    for (fn, ln, name), (cc, nc, tt, ct, _) in rows:
+        lines.append(f"  {tt / iters * 1e6:7.2f} ({ct / iters * 1e6:7.2f}) {nc / iters:5.1f}  "
+                     f"{os.path.basename(fn)}:{ln}:{name}")
+    return "\n".join(lines)
+
+
+#: ``--variants`` settings: name -> {flag: value}; flags are set by :func:`apply_flags`
+VARIANTS = {
+    "old": {"eager_direct": False},          # every op call through the torch.library dispatcher
+    "new": {"eager_direct": True},           # plain eager calls straight to the op's kernel (the default)
+}
+
+
+def apply_flags(flags: dict) -> dict:
+    """Set the library's eager-path switches (returns the previous values): ``eager_direct``
+    (:data:`dsv4.registry.EAGER_DIRECT`)."""
+    from dsv4 import registry
+    prev = {}
+    if "eager_direct" in flags:
+        prev["eager_direct"], registry.EAGER_DIRECT = registry.EAGER_DIRECT, flags["eager_direct"]
+    return prev
+
+
+def time_host(c: Call, cuda: bool, budget_s: float, max_iters: int = 400) -> list[float]:
+    """Seconds per call (synchronized before each call, not timed), after a 3-call warm-up."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(3):
         c.fn(*c.args, **c.kwargs)
     sync()
     host = []
     t_end = time.perf_counter() + budget_s
-    while not lib_only and len(host) < max_iters and (len(host) < 10 or time.perf_counter() < t_end):
+    while len(host) < max_iters and (len(host) < 10 or time.perf_counter() < t_end):
         sync()
         t0 = time.perf_counter()
         c.fn(*c.args, **c.kwargs)
         host.append(time.perf_counter() - t0)
     sync()
+    return host
+
+
+def time_lib(c: Call, iters: int = 200) -> list[float]:
+    """Seconds per call with null providers (:class:`_NullProviders`): the library's own share."""
     lib = []
     with _NullProviders(c):
         for _ in range(50):                                      # warm the null path
             c.fn(*c.args, **c.kwargs)
-        for _ in range(200):
+        for _ in range(iters):
             t0 = time.perf_counter()
             c.fn(*c.args, **c.kwargs)
             lib.append(time.perf_counter() - t0)
+    return lib
+
+
+def time_call(c: Call, cuda: bool, budget_s: float, max_iters: int = 400, lib_only: bool = False,
+              variants: tuple[str, ...] = ()) -> dict:
+    host = [] if lib_only else time_host(c, cuda, budget_s, max_iters)
+    row = {"case": c.label, "op": c.name, "providers": ",".join(dict.fromkeys(c.ops)) or "-"}
+    for v in variants:                                   # same call, the library's switches set per variant
+        prev = apply_flags(VARIANTS[v])
+        try:
+            if not lib_only:
+                row[f"{v}_us"] = statistics.median(time_host(c, cuda, budget_s, max_iters)) * 1e6
+            row[f"{v}_lib_us"] = statistics.median(time_lib(c)) * 1e6
+        finally:
+            apply_flags(prev)
+    lib = time_lib(c)
     host = host or [float("nan")]
-    med = statistics.median(host) * 1e6
-    row = {"case": c.label, "op": c.name, "providers": ",".join(dict.fromkeys(c.ops)) or "-",
-           "host_us": med, "p10_us": sorted(host)[len(host) // 10] * 1e6, "iters": len(lib)}
-    row["lib_us"] = statistics.median(lib) * 1e6
+    row.update({"host_us": statistics.median(host) * 1e6, "p10_us": sorted(host)[len(host) // 10] * 1e6,
+                "iters": len(lib), "lib_us": statistics.median(lib) * 1e6})
     row["target_met"] = (row["host_us"] if cuda else row["lib_us"]) <= TARGET_US
     return row
 
@@ -211,7 +395,15 @@ def main(argv=None) -> int:
     ap.add_argument("--first", default="", help="comma list of op-module names whose cases run first")
     ap.add_argument("--dsl-call", choices=("default", "tvm-ffi", "dsl"), default="default",
                     help="DSL kernels' call path: TVM-FFI (torch tensors checked in C) or the DSL's own (from_dlpack)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per-stage time of each call (checks, validate, boundary, select, glue, alloc, launch)")
+    ap.add_argument("--cprofile", type=int, default=0, help="print the top N functions (cProfile) of each call")
+    ap.add_argument("--variants", default="", help=f"comma list of switch settings timed per call: {sorted(VARIANTS)}")
     a = ap.parse_args(argv)
+    variants = tuple(v for v in a.variants.split(",") if v)
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown {v!r}; known {sorted(VARIANTS)}")
     if a.dsl_call != "default":
         from kernels_dsl import _compile
         _compile.set_fast_call(a.dsl_call == "tvm-ffi")
@@ -239,11 +431,21 @@ def main(argv=None) -> int:
             if (want and c.name not in want) or (c.name, c.label) in seen:
                 continue
             seen.add((c.name, c.label))
-            rows.append(time_call(c, cuda, a.budget, lib_only=a.lib_only))
+            rows.append(time_call(c, cuda, a.budget, lib_only=a.lib_only, variants=variants))
             r = rows[-1]
+            if a.breakdown:
+                r.update(breakdown(c, cuda))
             print(f"  {r['op']:<22} {r['case']:<38} host {r['host_us']:8.1f} us  lib {r['lib_us']:6.1f} us  "
-                  f"{r['providers']}", file=sys.stderr, flush=True)
-    cols = ["op", "case", "providers", "host_us", "p10_us", "lib_us", "target_met"]
+                  + "".join(f"{v} {r.get(v + '_us', float('nan')):6.1f}/{r[v + '_lib_us']:5.1f} us  " for v in variants)
+                  + f"{r['providers']}",
+                  file=sys.stderr, flush=True)
+            if a.cprofile:
+                print(cprofile_call(c, cuda, a.cprofile), flush=True)
+    cols = ["op", "case", "providers", "host_us", "p10_us", "lib_us", "target_met"] + \
+        [f"{v}_{k}us" for v in variants for k in ("", "lib_")]
+    if a.breakdown:
+        cols += ["checks_us", "validate_us", "boundary_us", "select_us", "glue_us", "alloc_us", "n_alloc",
+                 "launch_us", "n_launch", "staged_us"]
     try:
         from kernels_dsl import _compile
         call_path = "tvm-ffi" if _compile.fast_call() else "dsl"

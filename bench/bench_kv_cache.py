@@ -72,14 +72,20 @@ PROVIDERS = ("dsl", "cuda")
 
 def bench_append(dev, bw, rows):
     # random slots (the target case), and the same slots sorted (what the DRAM scatter costs)
-    for label, N in (("decode B=128", 128), ("prefill 32k", 32768), ("prefill 32k sorted slots", 32768)):
+    for label, N in (("decode B=128", 128), ("prefill 32k", 32768), ("prefill 32k sorted slots", 32768),
+                     ("prefill 32k dense random slots", 32768), ("prefill 32k random pages", 32768)):
         nb, bs = max(64, 4 * N // 64), 64
+        if "dense" in label:
+            nb = N // bs
         cache = torch.zeros(nb, bs * 584, dtype=torch.uint8, device=dev)
         k = n_sets(N * 1024)
         xs = [kv_rows(N, i, dev) for i in range(k)]
         sl = [torch.randperm(nb * bs, device=dev)[:N] for _ in range(k)]
         if "sorted" in label:
             sl = [s.sort().values for s in sl]
+        if "pages" in label:             # a prefill's slots: whole 64-token pages in random order
+            sl = [(torch.randperm(nb, device=dev)[:N // bs, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+                  for _ in range(k)]
         nbytes = N * (1024 + 584 + 8)
         tr = time_cuda(lambda: ref.kv_cache_append_ref(cache, xs[0], sl[0]), warmup=2, iters=10)
         for prov in PROVIDERS:
@@ -180,6 +186,95 @@ def bench_gather(dev, bw, rows):
             rows.append(dict(op="gather fp8_ds_mla", case=label, provider=prov, us=t, ref_us=tr, MB=nbytes / 1e6,
                              roof_us=nbytes / bw * 1e6))
         del cache, swa, idx
+        torch.cuda.empty_cache()
+
+
+IDX_FMTS = ("mxfp4", "fp8", "nvfp4")
+
+
+def _idx_case(N, fmt, dev, seed=0):
+    """indexer_cache_write inputs: N keys, ``n_sets`` input sets (keys + random slots into a cache of 2N
+    slots, 64-token pages), the NVFP4 global scale; returns (cache, ks, sls, g, bytes per call)."""
+    from dsv4.ops.indexer import FORMATS as IF
+    vb, sb = IF[fmt]
+    bs = 64
+    nb = max(2, -(-2 * N // bs))
+    cache = torch.zeros(nb, bs, vb + sb, dtype=torch.uint8, device=dev)
+    k = n_sets(N * 512)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    ks = [(torch.randn(N, 128, device=dev, generator=gen) * 3).bfloat16() for _ in range(k)]
+    sls = [torch.randperm(nb * bs, device=dev, generator=gen)[:N] for _ in range(k)]
+    g = torch.tensor([0.01], device=dev) if fmt == "nvfp4" else None
+    return cache, ks, sls, g, N * (256 + vb + sb + 8)
+
+
+class _Rows(list):
+    """A result list that prints each row as it is added (a long run that is cut short keeps what it printed)."""
+
+    def __init__(self, bw: float):
+        super().__init__()
+        self.bw = bw
+
+    def append(self, r: dict) -> None:
+        super().append(r)
+        _progress(r, self.bw)
+
+
+def _progress(r: dict, bw: float) -> None:
+    """One result line as soon as it is measured."""
+    print(f"ROW {r['op']:<34} {r['case']:<44} {r.get('provider', ''):<5} {r['us']:9.2f} us "
+          f"{100.0 * r['roof_us'] / r['us']:6.1f}% copy {'' if 'same' not in r else 'same=' + str(r['same'])}", flush=True)
+
+
+def bench_indexer(dev, bw, rows, vrows, variants: bool = True):
+    """indexer_cache_write (8 x 32768 keys = prefill, 128 = decode; random slots) and indexer_q_quant
+    (T = 1, 64, 4096), Hadamard on, every format, per provider; then the DSL kernel's geometries
+    (kernels_dsl.indexer_quant.VARIANT) at 8 x 32768 MXFP4, each output compared bit for bit with the
+    first's."""
+    import kernels_dsl.indexer_quant as iq
+    from dsv4.ops.indexer import FORMATS as IF
+    from dsv4.ops.indexer import indexer_cache_write, indexer_q_quant
+    for fmt in IDX_FMTS:
+        for label, N in (("prefill 8 x 32768 keys", 8 * 32768), ("decode 128 keys", 128)):
+            cache, ks, sls, g, nbytes = _idx_case(N, fmt, dev)
+            for prov in PROVIDERS:
+                with registry.use(indexer_cache_write=prov):
+                    t = time_graph([lambda i=i: indexer_cache_write(cache, ks[i], sls[i], fmt=fmt, global_scale=g)
+                                    for i in range(len(ks))])
+                rows.append(dict(op=f"indexer_cache_write {fmt}", case=label, provider=prov, us=t, ref_us=float("nan"),
+                                 MB=nbytes / 1e6, roof_us=nbytes / bw * 1e6))
+            del cache, ks, sls
+        vb, sb = IF[fmt]
+        for T in (1, 64, 4096):
+            k = n_sets(T * 64 * 256)
+            gen = torch.Generator(device=dev).manual_seed(T)
+            qs = [(torch.randn(T, 64, 128, device=dev, generator=gen) * 3).bfloat16() for _ in range(k)]
+            w = torch.rand(T, 64, device=dev)
+            g = torch.tensor([0.01], device=dev) if fmt == "nvfp4" else None
+            nbytes = T * 64 * (256 + vb + (0 if fmt == "fp8" else sb) + 8)
+            for prov in PROVIDERS:
+                with registry.use(indexer_q_quant=prov):
+                    t = time_graph([lambda i=i: indexer_q_quant(qs[i], w, fmt=fmt, global_scale=g) for i in range(k)])
+                rows.append(dict(op=f"indexer_q_quant {fmt}", case=f"T={T}", provider=prov, us=t, ref_us=float("nan"),
+                                 MB=nbytes / 1e6, roof_us=nbytes / bw * 1e6))
+            del qs
+    # geometries of the DSL kernel (prefill MXFP4)
+    if "dsl" not in PROVIDERS or not variants:
+        return
+    for fmt in ("mxfp4",):
+        cache, ks, sls, g, nbytes = _idx_case(8 * 32768, fmt, dev)
+        base = None
+        for v in ({}, {"groups": 2}, {"ctas_per_sm": 8, "min_blocks": 8}, {"ctas_per_sm": 8, "groups": 2},
+                  {"ctas_per_sm": 12, "groups": 2, "min_blocks": 12}, {"ctas_per_sm": 16, "groups": 1},
+                  {"ctas_per_sm": 6, "min_blocks": 6}):
+            cache.zero_()
+            with registry.use(indexer_cache_write="dsl"):
+                t, o = _run_variant(iq.VARIANT, v, lambda: [lambda i=i: indexer_cache_write(
+                    cache, ks[i], sls[i], fmt=fmt, global_scale=g) for i in range(len(ks))][::-1], lambda: cache)
+            base = o if base is None else base
+            vrows.append(dict(op=f"dsl indexer_cache_write {fmt}", case=f"8 x 32768 {v}", us=t,
+                              roof_us=nbytes / bw * 1e6, same=bool(torch.equal(o, base))))
+        del cache, ks, sls
         torch.cuda.empty_cache()
 
 
@@ -286,8 +381,7 @@ def bench_dsl_variants(dev, bw, rows, only=("append", "gather")):
     if "append" in only:
         N, cache, xs, sl = _append_variant_case(dev)
         base = None
-        for cfg in (kd.DEFAULT_APPEND, kd.KvAppendConfig(1, 128), kd.KvAppendConfig(1, 256, 256),
-                    kd.KvAppendConfig(2)):
+        for cfg in (kd.DEFAULT_APPEND, kd.KvAppendConfig(1, 128), kd.KvAppendConfig(2), kd.KvAppendConfig(1, 256, 256)):
             cache.zero_()
             with registry.use(kv_cache_append="dsl"):
                 t, o = run_variant("append", cfg, [lambda i=i: kv_cache_append(cache, xs[i], sl[i]) for i in range(8)][::-1],
@@ -301,8 +395,8 @@ def bench_dsl_variants(dev, bw, rows, only=("append", "gather")):
         for label, R, T, K, ne in (("decode", 128, 128, 512, 2048), ("prefill", 8, 8, 8192, 8192)):
             cache, swa, bt, swa_bt, idx, swa_idx, lens, swa_lens, k, nbytes = _gather_case(R, T, K, ne, bs, dev)
             base = None
-            for cfg in (kd.DEFAULT_GATHER, kd.KvGatherConfig(8, 2, 128, 256), kd.KvGatherConfig(16, 4, 128, 256),
-                        kd.KvGatherConfig(4, 2)):
+            for cfg in (kd.DEFAULT_GATHER, kd.KvGatherConfig(2, 2), kd.KvGatherConfig(4, 4), kd.KvGatherConfig(4, 2, 256),
+                        kd.KvGatherConfig(4, 2, 128, 128), kd.KvGatherConfig(4, 1)):
                 outs = {}
                 fns = [lambda i=i: outs.__setitem__(i, kv_gather(cache, bt, idx[i], lens=lens, swa_cache=swa,
                                                                  swa_block_table=swa_bt, swa_indices=swa_idx,
@@ -322,20 +416,22 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-variants", action="store_true", help="skip the tuning-variant sections")
     ap.add_argument("--providers", default=",".join(PROVIDERS), help="append / gather providers to time")
-    ap.add_argument("--only", default="append,gather,compress", help="sections: append,gather,compress")
+    ap.add_argument("--only", default="append,gather,compress,indexer", help="sections: append,gather,compress,indexer")
     args = ap.parse_args()
     PROVIDERS = tuple(args.providers.split(","))
     only = set(args.only.split(","))
     dev = torch.device("cuda")
     bw = copy_bandwidth() * 1e9                          # bytes / s (read + write)
-    rows: list[dict] = []
+    rows: list[dict] = _Rows(bw)
     if "append" in only:
         bench_append(dev, bw, rows)
     if "gather" in only:
         bench_gather(dev, bw, rows)
     if "compress" in only:
         bench_compress(dev, bw, rows)
-    vrows: list[dict] = []
+    vrows: list[dict] = _Rows(bw)
+    if "indexer" in only:
+        bench_indexer(dev, bw, rows, vrows, not args.no_variants)
     if not args.no_variants:
         if "dsl" in PROVIDERS:
             bench_dsl_variants(dev, bw, vrows, only)

@@ -32,22 +32,6 @@ SWEEP = [{"qj": 8, "warps": 8, "min_blocks": 3, "ctas_per_sm": 3, "pipe": 0, "dq
          {"lut": 0, "dq_warps": 4, "dq_ctas_per_sm": 8}, {"lut": 1, "dq_units": 2, "dq_ctas_per_sm": 16}]
 
 
-def dsl_override(sw: dict) -> dict:
-    """kernels_dsl.quantize.OVERRIDE for a flat SWEEP entry."""
-    import dataclasses
-
-    from kernels_dsl.quantize_fp4 import Fp4Config
-    from kernels_dsl.quantize_fp8 import Fp8Config, Fp8DqConfig
-    out = {}
-    for fam, cls in (("fp4", Fp4Config), ("fp8", Fp8Config), ("dequant", Fp8DqConfig)):
-        names = {f.name for f in dataclasses.fields(cls)} | {"ctas_per_sm"}
-        src = {k[3:]: v for k, v in sw.items() if k.startswith("dq_")} if fam == "dequant" else sw
-        d = {k: v for k, v in src.items() if k in names}
-        if d:
-            out[fam] = d
-    return out
-
-
 def _x(M, K, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(M, K, device="cuda", generator=g)
@@ -67,6 +51,8 @@ OPS = {
                        lambda M, K: _nv_bytes(M, K) + 2 * M * K),
     "nvfp4 given swz": ("quantize_nvfp4", lambda x: quantize_nvfp4(x, global_scale=_GS, sf_layout="swizzled"),
                         lambda x: F.quantize_nvfp4(x, _GS, sf_layout="swizzled"), _nv_bytes, None),
+    "nvfp4 given lin": ("quantize_nvfp4", lambda x: quantize_nvfp4(x, global_scale=_GS),
+                        lambda x: F.quantize_nvfp4(x, _GS), _nv_bytes, None),
     "mxfp4 dsv4": ("quantize_mxfp4", lambda x: quantize_mxfp4(x), lambda x: F.quantize_mxfp4(x, "dsv4"),
                    lambda M, K: 2 * M * K + M * K // 2 + M * K // 32, None),
     "mxfp4 ocp": ("quantize_mxfp4", lambda x: quantize_mxfp4(x, rule="ocp"), lambda x: F.quantize_mxfp4(x, "ocp"),
@@ -148,7 +134,7 @@ def main():
             op, kern, _, nbytes, _ = OPS[name]
             src = qs if name.startswith("dequant") else xs
             for sw in [{}] + SWEEP:
-                KQ.OVERRIDE.update(dsl_override(sw))
+                KQ.OVERRIDE.update(KQ.flat_override(sw))
                 try:
                     with registry.use({op: "dsl"}):
                         t = time_graph([(lambda a=a: kern(a)) for a in src], iters=len(src), reps=args.reps)

@@ -203,20 +203,33 @@ class OpSpec:
         argument, a tensor subclass such as a FakeTensor) goes through the full check below, which
         decides and words the error, so both paths accept exactly the same inputs.
         """
-        specs = self.inputs if specs is None else tuple(specs)
+        if specs is None:
+            specs = self.inputs
         if _FAST:
-            memo = self.__dict__.setdefault("_checkers", {})          # per instance, not a field
-            key = 0 if specs is self.inputs else tuple(map(id, specs))
-            fast = memo.get(key)
-            if fast is None:
-                fast = memo[key] = _checker(self, specs)
+            memo = self.__dict__.get("_checkers")                     # per instance, not a field
+            if memo is None:
+                memo = self.__dict__.setdefault("_checkers", {})
+            # a tuple the caller keeps is found by identity (the entry keeps it alive); torch.compile
+            # cannot trace that identity test, it looks the checker up by the specs' ids
+            compiling = _is_compiling()
+            hit = None if compiling else memo.get(id(specs))
+            if hit is not None and hit[0] is specs:
+                fast = hit[1]
+            else:
+                given, specs = specs, tuple(specs)
+                key = tuple(map(id, specs))
+                fast = memo.get(key)
+                if fast is None:
+                    fast = memo[key] = _checker(self, specs)
+                if not compiling and given is specs and len(memo) < 256:
+                    memo[id(specs)] = (specs, fast)
             env = dict(symbols) if symbols else {}
             try:
                 if fast(tensors, env):
                     return env
             except (KeyError, TypeError, AttributeError):
                 pass
-        return self._validate_full(tensors, symbols, specs)
+        return self._validate_full(tensors, symbols, tuple(specs))
 
     def _validate_full(self, tensors: Mapping[str, torch.Tensor | None], symbols: Mapping[str, int] | None,
                        specs: Sequence[TensorSpec]) -> dict[str, int]:
@@ -342,6 +355,7 @@ class OpSpec:
 
 #: False: every validation takes the full path (tests compare both paths, tests/test_fuzz_specs.py)
 _FAST = True
+_is_compiling = torch.compiler.is_compiling
 
 
 def _checker(spec: OpSpec, specs: Sequence[TensorSpec]):
@@ -368,8 +382,9 @@ def _checker(spec: OpSpec, specs: Sequence[TensorSpec]):
                 f"{ind}if dev is None: dev = {t}.device",
                 f"{ind}elif {t}.device != dev: return False"]
         for j, d in enumerate(ts.shape):
-            if _is_symbol(d):
-                src.append(f"{ind}if {d!r} not in env: env[{d!r}] = {sh}[{j}]")
+            if _is_symbol(d):                     # the first operand with the symbol binds it, the others compare
+                src += [f"{ind}v = env.get({d!r})", f"{ind}if v is None: env[{d!r}] = {sh}[{j}]",
+                        f"{ind}elif v != {sh}[{j}]: return False"]
         present_names.append((i, ts, ind))
     src.append("    cuda = dev is not None and dev.type == 'cuda'")
     for i, ts, ind in present_names:
@@ -379,10 +394,9 @@ def _checker(spec: OpSpec, specs: Sequence[TensorSpec]):
             if isinstance(d, int):
                 body.append(f"if {sh}[{j}] != {d}: return False")
             elif _is_symbol(d):
-                body.append(f"if {sh}[{j}] != env[{d!r}]: return False")
+                continue                              # bound or compared where the operand is read
             else:
-                g[f"E{i}_{j}"] = _compiled(d)
-                body.append(f"if {sh}[{j}] != E{i}_{j}(env): return False")
+                body.append(f"if {sh}[{j}] != {_inline(d, g)}: return False")
         if ts.major == "row":
             body.append(f"if not {t}.is_contiguous() and {t}.numel() != 0: return False")
         elif ts.major == "inner" and ts.shape:
@@ -392,13 +406,28 @@ def _checker(spec: OpSpec, specs: Sequence[TensorSpec]):
         if ind != "    ":
             src.append(f"    if {t} is not None:")
         src += [ind + b for b in body]
-    for k, (expr, _msg) in enumerate(spec.constraints):
-        g[f"C{k}"] = _compiled(expr)
-        src += ["    try:", f"        ok = C{k}(env)", "    except KeyError:", "        ok = True",
+    for expr, _msg in spec.constraints:
+        src += ["    try:", f"        ok = {_inline(expr, g)}", "    except KeyError:", "        ok = True",
                 "    if not ok: return False"]
     src.append("    return True")
     exec("\n".join(src), g)  # noqa: S102 - generated from the spec's own fields (names are identifiers)
     return g["check"]
+
+
+def _inline(expr: str, g: dict[str, Any]) -> str:
+    """``expr`` as Python source over the generated checker's ``env`` (``M`` -> ``env['M']``; an unbound
+    symbol raises ``KeyError`` as :func:`_eval` does), its helper functions put in ``g``: no function
+    call per expression. The AST is checked first (:func:`_check_ast`)."""
+    _check_ast(expr)
+
+    class Sub(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            if n.id in _FUNCS:
+                g[f"F_{n.id}"] = _FUNCS[n.id]
+                return ast.copy_location(ast.Name(f"F_{n.id}", ast.Load()), n)
+            return ast.copy_location(ast.Subscript(ast.Name("env", ast.Load()), ast.Constant(n.id), ast.Load()), n)
+    tree = ast.fix_missing_locations(Sub().visit(ast.parse(expr, mode="eval")))
+    return "(" + ast.unparse(tree) + ")"
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -24,11 +24,12 @@ A forced provider that cannot run raises :class:`ProviderUnavailableError`; ther
 silent fallback. Every dispatch records which provider ran and why (``last_choice``), which
 ``dsv4 ops`` prints; a name in either override that is not a registered op raises.
 
-The eager hot path (bench/bench_eager.py) is: the op's argument checks and its
-:meth:`~dsv4.layout.OpSpec.validate` (a generated checker), the ``torch.library`` boundary
-(:func:`custom_op`: the C++ dispatcher straight to the Python kernel), then :meth:`Op.select` (one
-dict lookup: the choice is cached per forced kind, target and problem) and
-the provider's ``run``. A problem is a frozen dataclass (:class:`Problem`; a plain dict works too).
+The eager hot path (bench/bench_eager.py, ``--breakdown`` times each stage) is: the op's argument
+checks and its :meth:`~dsv4.layout.OpSpec.validate` (a generated checker), the op's handle
+(:class:`CustomOp`: in plain eager mode a direct call of the op's Python kernel, else the
+``torch.library`` dispatcher), then :meth:`Op.select` (two dict lookups: the choice is cached per
+target, forced kind and problem) and the provider's ``run``. A problem is a frozen dataclass
+(:class:`Problem`; a plain dict works too).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from .target import Target
 
 __all__ = [
     "Support", "Problem", "Provider", "TorchProvider", "Op", "Choice", "ProviderUnavailableError", "register", "get_op",
-    "all_ops", "use", "KINDS", "last_choice", "custom_op", "CustomOp",
+    "all_ops", "use", "KINDS", "last_choice", "custom_op", "CustomOp", "sm90_support", "Sm90Provider",
 ]
 
 KINDS = ("dsl", "cuda", "torch")
@@ -148,6 +149,32 @@ class Provider:
         return None
 
 
+def sm90_support(kind: str, target: Target, requirement: str) -> Support | None:
+    """``Support.no`` (reason prefixed by ``kind``) when ``target`` is not a Hopper (sm_90a) GPU,
+    else ``None``: the arch gate of the compiled providers (``kernels_dsl`` / ``kernels_cuda``)."""
+    if not target.is_cuda:
+        return Support.no(f"{kind}: the target is not a CUDA device (CPU tensors or no GPU)")
+    if target.arch != "sm_90a":
+        return Support.no(f"{kind}: {requirement}, device is {target.arch}")
+    return None
+
+
+class Sm90Provider(Provider):
+    """Base of the compiled providers (``kernels_cuda.CudaProvider``, ``kernels_dsl.DslProvider``):
+    supports sm_90a targets (:func:`sm90_support`, ``arch_requirement`` says why not), then asks
+    :meth:`supports_problem` (override it for shape / format limits)."""
+
+    #: reason text when the device is not sm_90a
+    arch_requirement = "built for sm_90a only"
+
+    def supports(self, problem: Mapping[str, Any], target: Target) -> Support:
+        no = sm90_support(self.kind, target, self.arch_requirement)   # (a Support.no is falsy: no `or`)
+        return no if no is not None else self.supports_problem(problem)
+
+    def supports_problem(self, problem: Mapping[str, Any]) -> Support:
+        return Support.yes("sm_90a")
+
+
 class TorchProvider(Provider):
     """Base of the plain-torch references (kind ``torch``): they run any problem on any device."""
 
@@ -228,7 +255,8 @@ class Op:
         self.kinds = kinds
         self.example_problem = example_problem
         self._providers: dict[str, Provider | Support] = {}
-        self._cache: dict[tuple, Choice] = {}
+        #: id(target) -> (target, {(forced kind, problem key): (provider, choice)}): the lookup select uses
+        self._by_target: dict[int, tuple[Target, dict]] = {}
         self.last: Choice | None = None
         self._lock = threading.Lock()
 
@@ -270,18 +298,29 @@ class Op:
         Decided once per (forced kind, target, problem) and cached: a repeat
         call costs one dict lookup (the eager hot path, bench/bench_eager.py)."""
         forced = _forced_kind(self.name)
-        if type(problem) is dict:
+        tp = type(problem)
+        if tp is dict:
             pk = tuple(problem.items())
-        elif isinstance(problem, Problem):
-            pk = (type(problem), type(problem)._key_getter()(problem))
+        elif issubclass(tp, Problem):
+            g = tp.__dict__.get("_getter")
+            pk = (tp, (g or tp._key_getter())(problem))
         else:
             pk = problem
-        key = (forced, target, pk)
+        # per target (looked up by identity: Target.of returns one object per device, and hashing a
+        # Target costs a Python __hash__ call), then per (forced kind, problem)
+        per = self._by_target.get(id(target))           # (the entry keeps its target alive: ids are unique)
+        if per is None:
+            with self._lock:
+                if len(self._by_target) >= 64:          # Targets built per call by a caller: do not grow
+                    self._by_target.clear()
+                per = self._by_target.setdefault(id(target), (target, {}))
+        cache = per[1]
+        key = (forced, pk)
         try:
-            hit = self._cache.get(key)
+            hit = cache.get(key)
         except TypeError:                    # a list / dict value, or a Mapping that is not a dict
-            key = (forced, target, _freeze(problem))
-            hit = self._cache.get(key)
+            key = (forced, _freeze(problem))
+            hit = cache.get(key)
         if hit is None:
             choice = self._choose(problem, target, forced)
             choice.problem, choice.target = problem, target
@@ -289,7 +328,7 @@ class Op:
             assert isinstance(p, Provider)
             hit = (p, choice)
             with self._lock:
-                self._cache[key] = hit
+                cache[key] = hit
         self.last = _LAST[self.name] = hit[1]
         return hit
 
@@ -346,7 +385,7 @@ class Op:
         """Forget the cached choices (after a change of what a provider's ``supports`` depends on
         other than the problem, e.g. ``kernels_cuda.moe_decode.override``)."""
         with self._lock:
-            self._cache.clear()
+            self._by_target.clear()
 
     def table(self, target: Target) -> list[dict]:
         """Rows for ``dsv4 ops``: each provider, whether it can run the example problem, and why
@@ -393,7 +432,16 @@ _getenv = _env_reader()
 _REGISTRY: dict[str, Op] = {}
 _LAST: dict[str, Choice] = {}
 _CONFIG: dict[str, Any] = {}
-_tls = threading.local()
+class _Overrides(threading.local):
+    """Per thread: the stack of :func:`use` mappings (innermost last). ``threading.local`` runs
+    ``__init__`` on a thread's first access, so dispatch reads ``_tls.stack`` without the exception a
+    missing attribute costs (``getattr(local, name, None)``: about 1 us)."""
+
+    def __init__(self):
+        self.stack: list[dict[str, str]] = []
+
+
+_tls = _Overrides()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,13 +449,76 @@ _tls = threading.local()
 _LIBS: dict[str, Any] = {}
 
 
+#: the eager fast path of :meth:`CustomOp.__call__` (False: every call goes through the dispatcher;
+#: bench/bench_eager.py ``--variants`` and tests/test_registry.py compare the two)
+EAGER_DIRECT = True
+
+
+def _eager_probe():
+    """``plain(args, tensor_pos) -> bool``: True when a call with ``args`` may skip the ``torch.library``
+    dispatcher and run the op's Python kernel directly, because the dispatcher would do exactly that:
+    not inside ``torch.compile`` / export tracing (checked by the caller), no torch dispatch mode
+    (FakeTensorMode, FunctionalTensorMode, make_fx ...), no torch function mode (``with
+    torch.device(...)``), no functorch transform (vmap, grad), the profiler off (it records the op by
+    name), every tensor argument (``args[i]`` for ``i`` in ``tensor_pos``, the schema's Tensor / Tensor?
+    / Tensor[] parameters) a plain ``torch.Tensor`` or ``nn.Parameter``, and the first one not on the
+    meta device (a FakeTensor or another subclass, or meta tensors, take the dispatcher to its fake
+    kernel; an op's spec validation puts every tensor on the first one's device)."""
+    import torch
+    C = torch._C
+    dispatch_modes = C._len_torch_dispatch_stack
+    function_mode = C._is_torch_function_mode_enabled
+    functorch = C._functorch.peek_interpreter_stack
+    profiling = C._autograd._profiler_enabled
+    plain = frozenset((torch.Tensor, torch.nn.Parameter))
+    Tensor = torch.Tensor
+
+    def ok(args: tuple, tensor_pos: tuple[int, ...]) -> bool:
+        if dispatch_modes() or function_mode() or functorch() is not None or profiling():
+            return False
+        first = None
+        for i in tensor_pos:
+            a = args[i]
+            if a is None:
+                continue
+            if type(a) not in plain:
+                if type(a) is not list and type(a) is not tuple:
+                    return False
+                for x in a:
+                    if isinstance(x, Tensor) and (type(x) not in plain or x.is_meta):
+                        return False
+            elif first is None:
+                first = a
+                if a.is_meta:
+                    return False
+        return True
+    return ok
+
+
+#: schema types whose arguments the eager probe checks (str() of ``torch._C.Argument.type``)
+_TENSOR_TYPES = ("Tensor", "Optional[Tensor", "List[Tensor", "Optional[List[Tensor")
+_plain_eager: Callable[[tuple, tuple], bool] = lambda args, pos: False     # set by the first custom_op()
+_is_compiling: Callable[[], bool] = lambda: True
+
+
 class CustomOp:
-    """Handle of an op defined by :func:`custom_op`: ``register_fake(fn)`` (decorator) and call."""
+    """Handle of an op defined by :func:`custom_op`: ``register_fake(fn)`` (decorator) and call.
+
+    Calling the handle is calling ``torch.ops.<ns>.<name>``, with an eager fast path: in plain
+    eager mode (:func:`_eager_probe`) it calls the op's Python kernel directly, which is what the
+    dispatcher would run, without the dispatcher's argument round trip (about 6 us on the CI
+    machine). Under torch.compile, export, FakeTensor / functional tracing, vmap or the profiler it
+    is the dispatcher call, so the op stays one node in a graph and its fake kernel is used."""
 
     def __init__(self, qualname: str, fn: Callable):
         self.qualname, self._fn = qualname, fn
         ns, name = qualname.split("::")
         self._packet = getattr(getattr(__import__("torch").ops, ns), name)
+        params = self._packet.default._schema.arguments
+        #: positions of the Tensor / Tensor? / Tensor[] parameters, and the parameter count: a call
+        #: with every argument positional takes the eager fast path
+        self._tensor_pos = tuple(i for i, a in enumerate(params) if str(a.type).startswith(_TENSOR_TYPES))
+        self._nargs = len(params)
 
     def register_fake(self, fn: Callable) -> Callable:
         import torch
@@ -415,6 +526,9 @@ class CustomOp:
         return fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (EAGER_DIRECT and not kwargs and len(args) == self._nargs and not _is_compiling()
+                and _plain_eager(args, self._tensor_pos)):
+            return self._fn(*args)
         return self._packet(*args, **kwargs)
 
 
@@ -432,6 +546,9 @@ def custom_op(qualname: str, fn: Callable | None = None, *, mutates_args: tuple[
     version counters are not bumped.
     """
     import torch
+    global _plain_eager, _is_compiling
+    if _plain_eager.__name__ == "<lambda>":
+        _plain_eager, _is_compiling = _eager_probe(), torch.compiler.is_compiling
 
     def define(f: Callable) -> CustomOp:
         ns, name = qualname.split("::")
@@ -510,7 +627,7 @@ _PARSED_ENV: dict[tuple[str, str], dict[str, str]] = {}
 
 
 def _forced_kind(op: str) -> str | None:
-    stack = getattr(_tls, "stack", None)
+    stack = _tls.stack
     if stack:
         for m in reversed(stack):
             if op in m:
@@ -536,9 +653,7 @@ def use(mapping: Mapping[str, str] | None = None, **ops: str) -> Iterator[None]:
         if v not in KINDS:
             raise ValueError(f"registry.use: provider for {k!r} must be one of {KINDS}, got {v!r}")
     _check_names(m, "registry.use")
-    stack = getattr(_tls, "stack", None)
-    if stack is None:
-        stack = _tls.stack = []
+    stack = _tls.stack
     stack.append(m)
     try:
         yield

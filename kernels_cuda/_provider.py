@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from dsv4.registry import Provider, Support
+from dsv4.registry import Sm90Provider, Support, sm90_support
 
 __all__ = ["cuda_available", "target_support", "CudaProvider"]
 
@@ -24,14 +24,10 @@ def cuda_available() -> Support:
 
 def target_support(target, requirement: str = "built for sm_90a only") -> Support | None:
     """``Support.no`` when the tensors are not on a Hopper (sm_90a) GPU, else ``None``."""
-    if not target.is_cuda:
-        return Support.no("cuda: the target is not a CUDA device (CPU tensors or no GPU)")
-    if target.arch != "sm_90a":
-        return Support.no(f"cuda: {requirement}, device is {target.arch}")
-    return None
+    return sm90_support("cuda", target, requirement)
 
 
-class CudaProvider(Provider):
+class CudaProvider(Sm90Provider):
     """Base of the NVRTC providers: available when cuda-python and a GPU are there; supports
     sm_90a targets, then asks :meth:`supports_problem` (override it for shape limits)."""
 
@@ -41,10 +37,3 @@ class CudaProvider(Provider):
 
     def available(self) -> Support:
         return cuda_available()
-
-    def supports(self, problem, target) -> Support:
-        no = target_support(target, self.arch_requirement)   # (a Support.no is falsy: no `or` here)
-        return no if no is not None else self.supports_problem(problem)
-
-    def supports_problem(self, problem) -> Support:
-        return Support.yes("sm_90a")

@@ -286,34 +286,27 @@ DSV4_DEVICE void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // ---------------------------------------------------------------------------------------
 // Sylvester-Hadamard over 128 dims held by one warp (lane l: dims 4l..4l+3) = DSV4
-// rotate_activation (dsv4/reference/hadamard.py rotate_activation_ref): y = bf16(H_128 x * 128^-0.5),
-// H[i][j] = (-1)^popcount(i & j). The 7 butterfly stages run in fp64 (exact: sums of 128 bf16
-// values; 2 in-thread, 5 by __shfl_xor_sync), one fp64 multiply by fp64(128^-0.5), then ONE
-// correct rounding fp64 -> bf16 (bf16r_f64); v[] returns the bf16 values as fp32.
-DSV4_DEVICE float bf16r_f64(double x) {
-  // f = fp32_rn(x); a double rounding happens only when f sits exactly on a bf16 midpoint
-  // (low 16 bits 0x8000) while x != f: move f one ulp towards x first, then round to bf16.
-  const float f = __double2float_rn(x);
-  u32 b = __float_as_uint(f);
-  if ((b & 0xFFFFu) == 0x8000u && (double)f != x) b = fabs(x) > fabs((double)f) ? b + 1u : b - 1u;
-  return bf16_lo_to_f32(pack_bf16x2(__uint_as_float(b), 0.f));
-}
+// rotate_activation, the fp32 contract of dsv4/reference/hadamard.py rotate_activation_ref:
+// H[i][j] = (-1)^popcount(i & j); the 7 butterfly stages in fp32 in the reference's order (index
+// bit 0 first: 2 in-thread, then 5 by __shfl_xor_sync, the upper lane computing p - d), one fp32
+// multiply by fp32(128^-0.5), one RNE to bf16 (round_bf16); v[] returns the bf16 values as fp32.
+// Bit-exact with the reference (explicit _rn intrinsics: nothing is contracted into an FMA).
 DSV4_DEVICE void fwht128(float v[4], int lane) {
-  double d[4] = {(double)v[0], (double)v[1], (double)v[2], (double)v[3]};
-  const double a0 = d[0] + d[1], a1 = d[0] - d[1], a2 = d[2] + d[3], a3 = d[2] - d[3];
-  d[0] = a0 + a2; d[2] = a0 - a2; d[1] = a1 + a3; d[3] = a1 - a3;
+  const float a0 = __fadd_rn(v[0], v[1]), a1 = __fsub_rn(v[0], v[1]);
+  const float a2 = __fadd_rn(v[2], v[3]), a3 = __fsub_rn(v[2], v[3]);
+  float d[4] = {__fadd_rn(a0, a2), __fadd_rn(a1, a3), __fsub_rn(a0, a2), __fsub_rn(a1, a3)};
 #pragma unroll
   for (int b = 0; b < 5; ++b) {
     const bool upper = (lane >> b) & 1;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const double p = __shfl_xor_sync(0xffffffffu, d[i], 1 << b);
-      d[i] = upper ? (p - d[i]) : (d[i] + p);
+      const float p = __shfl_xor_sync(0xffffffffu, d[i], 1 << b);
+      d[i] = upper ? __fsub_rn(p, d[i]) : __fadd_rn(d[i], p);
     }
   }
-  const double s = 0.08838834764831845;  // fp64(128^-0.5)
+  const float s = __uint_as_float(0x3DB504F3u);  // fp32(128^-0.5)
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = bf16r_f64(d[i] * s);
+  for (int i = 0; i < 4; ++i) v[i] = round_bf16(__fmul_rn(d[i], s));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 //     I[r, s] = sum_h w[r, h] * ReLU(q[r, h] . K[s])        fp32, h = 0..63, dims = 128
 //
 // Kernels
-//   indexer_quant_kernel   one warp per 128-dim row: optional Sylvester-Hadamard (FWHT in fp64,
-//                          butterflies in-thread then __shfl_xor_sync, rounded once to bf16), then MXFP4 / NVFP4 /
+//   indexer_quant_kernel   one warp per 128-dim row: optional Sylvester-Hadamard (FWHT in fp32,
+//                          butterflies in-thread then __shfl_xor_sync, rounded to bf16), then MXFP4 / NVFP4 /
 //                          FP8 quantization; writes into the paged key cache (slot_mapping,
 //                          -1 = skip) or into the query buffers (FP8: scale folded into w).
 //   indexer_logits_kernel  (paged decode, NVFP4) one warpgroup (128 threads) per CTA; CTA = the

@@ -1,7 +1,7 @@
 """CUDA (NVRTC) providers for the Lightning Indexer ops: ``indexer.cu`` (helpers in ``common.cuh``).
 
 * ``indexer_cache_write`` / ``indexer_q_quant``: ``indexer_quant_kernel``, one warp per 128-dim
-  row (fp64 FWHT Hadamard by shuffles, rounded once to bf16; MXFP4 / NVFP4 / FP8 encode), one
+  row (fp32 FWHT Hadamard by shuffles, the contract of dsv4.reference.hadamard; MXFP4 / NVFP4 / FP8 encode), one
   launch. The only providers of these two ops.
 * ``indexer_logits_paged`` (decode), **NVFP4 keys only**: ``indexer_logits_kernel``, the exact
   BF16 WGMMA path (E2M1 x E4M3 scale decoded exactly to BF16 in smem, wgmma m64nNk16, fused ReLU

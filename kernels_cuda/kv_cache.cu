@@ -434,7 +434,7 @@ DSV4_DEVICE void kvc_finish(const KvcPool& p, bool active, int t, float* red, co
   }
 #endif
 #else   // D == 128: indexer key: Hadamard, bf16, MXFP4 (block 32 = 8 lanes)
-  fwht128(y, lane);   // rotate_activation: bf16 in, bf16 out (one correct rounding)
+  fwht128(y, lane);   // rotate_activation: bf16 in, bf16 out (fp32 contract, dsv4.reference.hadamard)
   float amax = fmaxf(fmaxf(finite_abs(y[0]), finite_abs(y[1])), fmaxf(finite_abs(y[2]), finite_abs(y[3])));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 2));

@@ -287,9 +287,12 @@ def launch(kernel: Any, grid: Iterable[int] | int, block: Iterable[int] | int, *
     ``cluster``: thread-block cluster shape. NOTE: with a cluster, cuda.core reads ``grid`` as
     the number of *clusters*, not blocks (total blocks = grid * cluster).
 
-    (A direct ``cuLaunchKernel`` through ctypes with struct-packed parameters was tried and
-    deleted: exact and graph-capturable, but slower than ``cuda.core.launch`` on the H200 host,
-    24.7 vs 17.7 us for 8 arguments, job eager7-01.)
+    Two direct driver launches were measured against ``cuda.core.launch`` and deleted: ``cuLaunchKernel``
+    through ctypes with struct-packed parameters (24.7 vs 17.7 us for 8 arguments, job eager7-01) and
+    cuda.bindings' ``cuLaunchKernel`` / ``cuLaunchKernelEx`` with a parameter block built once per kernel
+    signature and one ``struct.pack_into`` per launch (H200, cuda-core 1.2.0, job eager8-01: 7.2 / 7.8 /
+    9.4 us for 3 / 8 / 18 arguments vs cuda.core's 6.4 / 7.6 / 9.7 us; both exact, cluster launches
+    and graph capture included).
     """
     conv = list(args)
     for i, a in enumerate(conv):

@@ -2,7 +2,7 @@
 // Contract: docs/layouts/topk.md (dsv4/ops/topk.py). Per row r the valid range is [lo, hi) with
 //   hi = clamp(lengths[r], 0, ncols), lo = clamp(starts[r], 0, hi) (lo = 0 without starts).
 // Selectable = in range, not NaN, not -inf. Output: the k best by (score desc, index asc), sorted
-// (or, with sorted = 0, the same set in an unspecified order), padded with (-1, -inf); indices
+// (or, with sorted = 0, the same set in ascending position order), padded with (-1, -inf); indices
 // optionally mapped through block_table (entries outside [0, num_blocks) -> -1).
 //
 // Algorithm (one cluster of TOPK_CLUSTER CTAs per row, one launch for the batch):
@@ -32,6 +32,9 @@
 //      of their range [C_min, C_max] (top 11 bits of C - C_min: monotone, and spread by the index
 //      bits when scores tie), then every entry counts the larger composites of its own sub-bucket
 //      (its rank inside it). No comparison network; ~8 barriers.
+//   4'. leader, unsorted output (sorted = 0, the op's default): ascending position order from a bitmap of
+//      the selected positions (per-word prefix counts, one block scan); rows too long for the bitmap
+//      sort (position, key) composites with the counting sort of 4.
 //   5. scores rebuilt from key32 (+-0.0 re-read for the exact sign); map through block_table; write.
 // Memory: with TOPK_VEC=1 a CTA may read the rest of the aligned 16-byte chunk that holds a
 // row's first / last valid element (never crosses a 16 B boundary, so never faults); those
@@ -73,11 +76,14 @@
 #define TOPK_UNROLL 4
 #define TOPK_TILE (TOPK_THREADS * TOPK_UNROLL)  // groups of 4 positions per tile
 #define TOPK_RANKW 256                          // rank refinement while n_cand^2 <= RANKW * threads
+// unsorted order: position bitmap (u32 words) + per-word prefix (u16) over S.cand, S.hist, S.seg
+#define TOPK_BMW (((TOPK_CAP + TOPK_NBINS) * 4 / 3) & ~31)
 #define FULL 0xFFFFFFFFu
 
 static_assert(TOPK_NBINS % TOPK_THREADS == 0, "bins per thread must be integral");
 static_assert(TOPK_NWARPS <= 32, "at most 32 warps");
 static_assert(TOPK_CAP >= TOPK_KMAX, "the candidate buffer doubles as the sort's scratch (k entries)");
+static_assert(6 * TOPK_BMW <= 8 * TOPK_CAP + 8 * TOPK_NBINS, "unsorted bitmap + prefix fit S.cand, S.hist, S.seg");
 
 #define TOPK_SMEM_BASE (8 * TOPK_KMAX + 8 * TOPK_CAP + 8 * TOPK_NBINS + 512)  // dynamic smem (host: smem_bytes)
 
@@ -94,6 +100,7 @@ struct TopkSmem {
   u32 ctot[16];               // reduce-scatter merge: every CTA's merged chunk total (cluster rank order)
   u64 base;                   // pass B: this tile's reservation (n_cand << 32 | n_sel before it)
   u64 cmin, cmax;             // sort: composite range of the selected entries
+  u64 thr;                    // the k-th composite (bin b0 entries with C >= thr are selected)
 };
 // host side reserves TOPK_SMEM_BASE = 8*KMAX + 8*CAP + 8*NBINS + 512 bytes
 static_assert(sizeof(TopkSmem) <= TOPK_SMEM_BASE, "smem layout");
@@ -298,7 +305,7 @@ DSV4_DEVICE u64 shfl_xor64(u64 v, int m) {
 // <= 16384 each per tile), ONE 64-bit reservation per tile and CTA, then every thread stores its
 // entries. a_and / a_or accumulate the AND / OR of the candidates' key32. Contains barriers.
 DSV4_DEVICE void tile_compact(TopkSmem& S, const u32 (&w)[TOPK_UNROLL][4], int g0, int ghi, int lo, int hi, int b0,
-                              bool all_b0, bool store_cand, u32 lsel, u32 lcand, u32 lcnt, u32& a_and, u32& a_or) {
+                             bool all_b0, bool store_cand, u32 lsel, u32 lcand, u32 lcnt, u32& a_and, u32& a_or) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   u32 msel = 0u, mcand = 0u;
   tile_visit(w, g0, ghi, lo, hi, [&](u32 key, int, u32 bucket, bool valid, int s) {
@@ -348,7 +355,7 @@ DSV4_DEVICE void tile_compact(TopkSmem& S, const u32 (&w)[TOPK_UNROLL][4], int g
 // vs 24.6 with these appends in topk-02). Contains barriers.
 template <bool RESIDENT>
 DSV4_DEVICE void pass_b(TopkSmem& S, const float* __restrict__ rowp, u32 (&w)[TOPK_UNROLL][4], int my_lo, int my_hi,
-                        int lo, int hi, int b0, bool all_b0, bool store_cand, u32 rank) {
+                        int lo, int hi, int b0, bool all_b0, bool store_cand, u32 rank, bool andor = true) {
   const int tid = threadIdx.x;
   u32 a_and = 0xFFFFFFFFu, a_or = 0u;
   if (RESIDENT) {
@@ -370,7 +377,7 @@ DSV4_DEVICE void pass_b(TopkSmem& S, const float* __restrict__ rowp, u32 (&w)[TO
       }
     });
   }
-  if (!all_b0) {  // block-uniform
+  if (!all_b0 && andor) {  // block-uniform (!andor: the leader takes the rank path, which needs no AND / OR)
     const u32 ah = __reduce_and_sync(FULL, a_and), oh = __reduce_or_sync(FULL, a_or);
     if ((tid & 31) == 0 && ah != 0xFFFFFFFFu) atomicAnd(&S.and_hi, ah);
     if ((tid & 31) == 0 && oh != 0u) atomicOr(&S.or_hi, oh);
@@ -378,7 +385,7 @@ DSV4_DEVICE void pass_b(TopkSmem& S, const float* __restrict__ rowp, u32 (&w)[TO
 #if TOPK_CLUSTER > 1
   __syncthreads();  // this CTA's appends and AND / OR are complete
   if (rank != 0) {
-    if (tid == 0 && !all_b0) {
+    if (tid == 0 && !all_b0 && andor) {
       if (S.and_hi != 0xFFFFFFFFu) sp_and(cl_map(smem_u32(&S.and_hi), 0), S.and_hi);
       if (S.or_hi != 0u) sp_or(cl_map(smem_u32(&S.or_hi), 0), S.or_hi);
     }
@@ -456,36 +463,47 @@ DSV4_DEVICE void load_local_bins(const TopkSmem& S, u32 (&c)[TOPK_BPT]) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Leader of a row: S.sel holds the winners (bucket > b0; S.n_sel of them), S.cand the candidates
-// of bin b0 (S.n_cand, if store_cand), S.and_hi / S.or_hi the AND / OR of the b0 keys. Pins the
-// threshold inside b0 (the selected b0 entries join S.sel), orders the selected composites
-// (sorted) and writes the row. S.cmin / S.cmax must be ~0 / 0 on entry. Block-uniform control flow (contains barriers); shared by
-// topk_kernel and topk_select_kernel.
-DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row, int lo, int hi, int b0,
-                            u32 above0, bool all_b0, bool store_cand, i32 k, i32 sorted,
-                            const i32* __restrict__ block_table, i64 bt_stride, i32 block_size, i32 rows_per_seq,
-                            i32 has_bt, i32 num_blocks, i32* __restrict__ out_idx, float* __restrict__ out_score) {
+// Leader of a row, bin b0 not taken whole (!all_b0): S.cand holds the candidates of bin b0 (S.n_cand, if
+// store_cand; else the row is re-read), S.and_hi / S.or_hi the AND / OR of their keys. Pins the
+// threshold inside b0: S.thr = the smallest selected composite bound ({b0 entries with C >= S.thr} are
+// the selected ones), and the selected b0 entries join S.sel (rank path: at S.sel[above0 + rank];
+// radix path: appended at S.n_sel). Returns the count placed by the rank path. Block-uniform control
+// flow (contains barriers).
+DSV4_DEVICE u32 pin_threshold(TopkSmem& S, const float* __restrict__ rowp, int lo, int hi, int b0, u32 above0,
+                              bool store_cand, u32 kk0) {
   const int tid = threadIdx.x;
-  const u32 kk0 = (u32)k;
   const int g_lo = lo >> 2, g_hi = (hi + 3) >> 2;
-  u32 n_placed = 0;  // b0 entries written to S.sel[above0, above0 + n_placed) by the rank path
-  if (!all_b0) {
+  u32 n_placed = 0;
+  {
     const u32 need0 = kk0 - above0;
     const int n_c = store_cand ? (int)min(S.n_cand, (u32)TOPK_CAP) : 0;
     if (store_cand && (u32)n_c * (u32)n_c <= (u32)(TOPK_RANKW * TOPK_THREADS)) {
-      // ---- rank path: rank(i) = #{j : cand[j] > cand[i]}; G threads (a power of two) per candidate
-      int G = 1;
-      while (G < 32 && 2 * G * n_c <= TOPK_THREADS) G <<= 1;
-      for (int base = 0; base < n_c * G; base += TOPK_THREADS) {  // block-uniform
-        const int t = base + tid, i = t / G, part = t & (G - 1);
-        const u64 ci = (i < n_c) ? S.cand[i] : 0ull;
-        u32 cnt = 0;
-        if (i < n_c) {
-#pragma unroll 4
-          for (int j = part; j < n_c; j += G) cnt += (S.cand[j] > ci) ? 1u : 0u;
+      // ---- rank path: rank(i) = #{j : cand[j] > cand[i]}. Warp w ranks candidates RB at a time (in
+      // registers; batches w, w + NWARPS, ... of RB); its lanes stream the list 32 candidates per shared
+      // load (one load per lane and chunk serves the RB candidates), then one warp reduction each.
+      constexpr int RB = TOPK_THREADS >= 1024 ? 4 : 8;  // 1024 threads: 64 registers
+      const int warp = tid >> 5, lane = tid & 31;
+      for (int i0 = warp * RB; i0 < n_c; i0 += TOPK_NWARPS * RB) {  // warp-uniform
+        u64 ci[RB];
+        u32 cnt[RB];
+#pragma unroll
+        for (int t = 0; t < RB; ++t) {
+          ci[t] = (i0 + t < n_c) ? S.cand[i0 + t] : ~0ull;
+          cnt[t] = 0u;
         }
-        for (int o = G >> 1; o > 0; o >>= 1) cnt += __shfl_xor_sync(FULL, cnt, o);  // G is block-uniform
-        if (i < n_c && part == 0 && cnt < need0) S.sel[above0 + cnt] = ci;  // winners: exactly above0
+        for (int j0 = 0; j0 < n_c; j0 += 32) {  // warp-uniform
+          const u64 v = (j0 + lane < n_c) ? S.cand[j0 + lane] : 0ull;
+#pragma unroll
+          for (int t = 0; t < RB; ++t) cnt[t] += (v > ci[t]) ? 1u : 0u;
+        }
+#pragma unroll
+        for (int t = 0; t < RB; ++t) {
+          const u32 r = __reduce_add_sync(FULL, cnt[t]);
+          if (lane == t && i0 + t < n_c && r < need0) {
+            S.sel[above0 + r] = ci[t];  // winners: exactly above0 from bins above b0
+            if (r == need0 - 1u) S.thr = ci[t];  // the k-th composite: the threshold
+          }
+        }
       }
       n_placed = need0;
     } else {
@@ -537,14 +555,87 @@ DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row
         __syncthreads();
         if (fin) break;
       }
+      if (tid == 0) S.thr = prefix;  // {C >= prefix} is the selected part of bin b0 (low bits zero)
     }
   }
   __syncthreads();
+  return n_placed;
+}
+
+// position p of a row -> the output index (block_table mapped: -1 for entries outside [0, num_blocks))
+DSV4_DEVICE i32 map_pos(int p, const i32* __restrict__ bt, i32 has_bt, i32 block_size, i32 num_blocks) {
+  if (!has_bt) return p;
+  const int blk = p / block_size;
+  const i32 e = __ldg(bt + blk);
+  const i64 v = (i64)e * block_size + (p - blk * block_size);
+  return (e >= 0 && e < num_blocks && v <= 0x7FFFFFFFll) ? (i32)v : -1;  // bad entry: -1
+}
+
+// ------------------------------------------------------------------------------------------
+// Leader of a row: S.sel holds the winners (bucket > b0; S.n_sel of them), S.cand the candidates
+// of bin b0 (S.n_cand, if store_cand), S.and_hi / S.or_hi the AND / OR of the b0 keys. Pins the
+// threshold inside b0 (the selected b0 entries join S.sel), orders the selected composites
+// (sorted: by score; else by position) and writes the row. S.cmin / S.cmax must be ~0 / 0 on entry.
+// Block-uniform control flow (contains barriers); shared by topk_kernel and topk_select_kernel.
+DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row, int lo, int hi, int b0,
+                            u32 above0, bool all_b0, bool store_cand, i32 k, i32 sorted,
+                            const i32* __restrict__ block_table, i64 bt_stride, i32 block_size, i32 rows_per_seq,
+                            i32 has_bt, i32 num_blocks, i32* __restrict__ out_idx, float* __restrict__ out_score) {
+  const int tid = threadIdx.x;
+  const u32 kk0 = (u32)k;
+  const u32 n_placed = all_b0 ? 0u : pin_threshold(S, rowp, lo, hi, b0, above0, store_cand, kk0);
   const u32 n_tot = min(S.n_sel + n_placed, kk0);  // the selected composites: S.sel[0, n_tot)
 
+  // ---- unsorted (the default of the op): ascending position order, a function of the selected set
+  // only (so bitwise the same for every launch configuration and kernel). A bitmap of the row's
+  // positions over the free S.cand / S.hist / S.seg words (rows of <= TOPK_BMW * 32 positions): one
+  // bit per selected entry, then per word the count of selected entries before it (warp scans over
+  // conflict-free word chunks + one scan of the warp totals); every entry's output slot is that count
+  // plus the set bits below its own. Longer rows: the sort below
+  // on (position, key) composites (swapped halves: descending hi - 1 - p == ascending p).
+  const u32 span = (u32)(hi - lo), nw = (span + 31u) >> 5;
+  const bool by_pos = !sorted && n_tot > 1u;
+  const bool do_bitmap = by_pos && nw <= (u32)TOPK_BMW;
+  const bool swapped = by_pos && !do_bitmap;
+  u32* __restrict__ bm = reinterpret_cast<u32*>(S.cand);                            // [nw] position bits
+  unsigned short* __restrict__ wpre = reinterpret_cast<unsigned short*>(bm + TOPK_BMW);  // [nw] entries before
+  if (do_bitmap) {  // block-uniform
+    for (u32 i = tid; i < nw; i += TOPK_THREADS) bm[i] = 0u;
+    __syncthreads();
+    for (u32 i = tid; i < n_tot; i += TOPK_THREADS) {
+      const u32 q = span - 1u - (u32)S.sel[i];  // p - lo
+      atomicOr(&bm[q >> 5], 1u << (q & 31u));
+    }
+    __syncthreads();
+    // warp w owns words [w * 32 * wpt, (w + 1) * 32 * wpt), lane l word w * 32 * wpt + 32 j + l (conflict-free);
+    // wpre = entries before the word within its warp's chunk, S.scan[w] = entries before the chunk
+    const int lane = tid & 31, warp = tid >> 5;
+    const u32 wpt = (nw + TOPK_THREADS - 1) / TOPK_THREADS;
+    u32 run = 0u;
+    for (u32 j = 0; j < wpt; ++j) {  // warp-uniform
+      const u32 wi = (u32)warp * 32u * wpt + 32u * j + (u32)lane;
+      const u32 c = (wi < nw) ? (u32)__popc(bm[wi]) : 0u;
+      const u32 inc = warp_incl_scan(c);
+      if (wi < nw) wpre[wi] = (unsigned short)(run + inc - c);
+      run += __shfl_sync(FULL, inc, 31);
+    }
+    if (lane == 0) S.scan[warp] = run;  // S.scan's last readers passed the barriers above
+    __syncthreads();
+    if (warp == 0) {
+      const u32 v = (lane < TOPK_NWARPS) ? S.scan[lane] : 0u;
+      const u32 inc = warp_incl_scan(v);
+      __syncwarp();
+      if (lane < TOPK_NWARPS) S.scan[lane] = inc - v;
+    }
+    __syncthreads();
+  }
+  if (swapped) {  // block-uniform
+    for (u32 i = tid; i < n_tot; i += TOPK_THREADS) S.sel[i] = (S.sel[i] << 32) | (S.sel[i] >> 32);
+    __syncthreads();
+  }
   // ---- sorted: counting sort over 2048 sub-buckets of the composite range (monotone), then every
   // entry counts the larger composites of its own sub-bucket (its rank inside it)
-  const bool do_sort = sorted && n_tot > 1u;
+  const bool do_sort = (sorted || swapped) && n_tot > 1u;
   if (do_sort) {  // block-uniform
     u64 mn = ~0ull, mx = 0ull;
     for (u32 i = tid; i < n_tot; i += TOPK_THREADS) {
@@ -594,21 +685,22 @@ DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row
   for (int j = tid; j < k; j += TOPK_THREADS) {
     i32 idx = -1;
     float sc = __uint_as_float(0xFF800000u);
+    int slot = j;  // sorted, padding, swapped: in place; bitmap: the entry's rank by position
     if ((u32)j < n_tot) {
-      const u64 cv = S.sel[j];
+      u64 cv = S.sel[j];
+      if (swapped) cv = (cv << 32) | (cv >> 32);
       const int p = hi - 1 - (int)(u32)cv;
+      if (do_bitmap) {
+        const u32 q = (u32)(p - lo);
+        const u32 wd = q >> 5, chunk = 32u * ((nw + TOPK_THREADS - 1) / TOPK_THREADS);
+        slot = (int)(S.scan[wd / chunk] + wpre[wd]) + __popc(bm[wd] & ((1u << (q & 31u)) - 1u));
+      }
       const u32 u = key_bits((u32)(cv >> 32));
       sc = (u == 0u) ? __ldg(rowp + p) : __uint_as_float(u);  // +-0.0: exact bits from memory
-      idx = p;
-      if (has_bt) {
-        const int blk = p / block_size;
-        const i32 e = __ldg(bt + blk);
-        const i64 v = (i64)e * block_size + (p - blk * block_size);
-        idx = (e >= 0 && e < num_blocks && v <= 0x7FFFFFFFll) ? (i32)v : -1;  // bad entry: -1
-      }
+      idx = map_pos(p, bt, has_bt, block_size, num_blocks);
     }
-    oi[j] = idx;
-    os[j] = sc;
+    oi[slot] = idx;
+    os[slot] = sc;
   }
 }
 
@@ -734,13 +826,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
   const u32 above0 = S.res_above, cnt0 = S.res_cnt;
   const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
   const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
+  // the leader's threshold refinement (pin_threshold) ranks the candidates iff this holds (its n_cand == cnt0);
+  // the radix path needs the candidates' key AND / OR (without them it is still exact, from the top bit)
+  const bool use_rank = store_cand && cnt0 * cnt0 <= (u32)(TOPK_RANKW * TOPK_THREADS);
 
   // ---- pass B: winners and b0 candidates straight into the leader's buffers
 #if TOPK_RES
-  pass_b<true>(S, rowp, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, rank);
+  pass_b<true>(S, rowp, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, rank, !use_rank);
 #else
   u32 w[TOPK_UNROLL][4];
-  pass_b<false>(S, rowp, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, rank);
+  pass_b<false>(S, rowp, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, rank, !use_rank);
 #endif
   cl_sync();  // all entries visible at the leader; nobody reads a peer's smem after this
   if (rank != 0) return;
@@ -770,7 +865,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
     const float* __restrict__ logits, i64 row_stride, i32 ncols,
     const i32* __restrict__ lengths,       // [rows] end of the valid range (clamped to [0, ncols])
     const i32* __restrict__ block_table, i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt,
-    i32 num_blocks, i32 k, i32 rows, i32 splits,
+    i32 num_blocks, i32 k, i32 sorted, i32 rows, i32 splits,
     const u32* __restrict__ hist,          // [rows, 2048]
     u32* __restrict__ ctl,                 // [rows, 8], zero on entry
     u64* __restrict__ gsel,                // [rows, KMAX] scratch
@@ -862,7 +957,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_selec
     S.or_hi = or_g;
   }
   __syncthreads();
-  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, 1, block_table, bt_stride, block_size,
+  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, sorted, block_table, bt_stride, block_size,
              rows_per_seq, has_bt, num_blocks, out_idx, out_score);
 }
 #endif

@@ -1,11 +1,20 @@
 """CUDA (NVRTC) provider for ``topk``: ``topk.cu``, one thread-block cluster per row, one launch.
 
 Radix select on order-preserving composite keys (score, -index), rank refinement of the threshold
-bucket, a counting sort over sub-buckets of the selected range for the sorted order; see the
-header of ``topk.cu``. Exact and
-deterministic for any launch configuration (cluster size, threads, register-resident slices,
-vector width): the selected set {C >= C_k} depends only on the data. ``sorted=False`` returns the
-same set in an unspecified order.
+bucket (warp-register ranks), a counting sort over sub-buckets of the selected range for the sorted
+order; see the header of ``topk.cu``. Exact and deterministic for any launch configuration (cluster
+size, threads, register-resident slices, vector width): the selected set {C >= C_k} depends only on
+the data.
+
+Order contract of ``sorted=False`` (the op's default since issue 15): ascending position (logical
+positions, before the block_table mapping), padding last -- a function of the selected set only,
+never of atomic arrival order, so bitwise the same across runs, launch configurations, this kernel,
+``topk_select_kernel`` and the torch reference: the row's leader orders its gathered selected set
+with a bitmap of the row's positions (one bit per entry, per-word prefix counts from one block scan;
+each entry's slot = the prefix of its word + the set bits below it). Measured and deleted (job
+topk8-01): every CTA of a register-resident cluster writing its own entries in position order after a
+second cluster barrier that distributes the threshold and per-CTA offsets -- slower than the leader's
+sort: [1, 129280] 15.8 us vs 15.7 sorted, [128, 8192] 12.2 vs 11.5, [32, 32768] 17.6 vs 15.5.
 
 Shape-adaptive, one op (:func:`default_config` returns a :class:`TopkConfig`): short rows: one CTA
 per row with the row in registers (``resident``: one global read); few or long rows: the smallest
@@ -162,7 +171,7 @@ def launch_config(logits: torch.Tensor, config: TopkConfig | None = None, *, clu
 
 
 def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, block_table=None,
-              block_size: int = 0, rows_per_seq: int = 1, *, sorted: bool = True, num_blocks: int | None = None,
+              block_size: int = 0, rows_per_seq: int = 1, *, sorted: bool = False, num_blocks: int | None = None,
               config: TopkConfig | None = None, cluster: int | None = None, threads: int | None = None,
               resident: bool | None = None, vec: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``topk_kernel`` (arguments already validated by :func:`dsv4.ops.topk.topk`).
@@ -222,7 +231,8 @@ def select_splits(rows: int, ncols: int, sm_count: int) -> int:
 
 def topk_select_cuda(logits: torch.Tensor, lengths: torch.Tensor, ws: torch.Tensor, k: int, block_table=None,
                      block_size: int = 0, rows_per_seq: int = 1, *, splits: int | None = None,
-                     threads: int = 512, num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     threads: int = 512, num_blocks: int | None = None,
+                     sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_select_kernel``: the ``topk`` op's selection (decode rows ``[0, lengths)``) from the
     bucket histograms already in ``ws`` (:func:`select_workspace`, filled by the logits kernel; its
     control words must still be zero) -- no histogram pass, ``splits`` CTAs per row, the last CTA of
@@ -253,7 +263,8 @@ def topk_select_cuda(logits: torch.Tensor, lengths: torch.Tensor, ws: torch.Tens
     args = (logits, np.int64(row_stride), np.int32(ncols), lengths,
             block_table if has_bt else lengths, np.int64(bt_stride), np.int32(block_size if has_bt else 1),
             np.int32(rows_per_seq), np.int32(has_bt), np.int32(_num_blocks(num_blocks)),
-            np.int32(k), np.int32(rows), np.int32(splits), hist, ctl, gsel, gcand, out_idx, out_sc)
+            np.int32(k), np.int32(bool(sorted)), np.int32(rows), np.int32(splits), hist, ctl, gsel, gcand, out_idx,
+            out_sc)
     launch(kern, rows * splits, threads, *args, smem=smem_bytes())
     return out_idx, out_sc
 
@@ -269,7 +280,7 @@ class CudaTopk(CudaProvider):
         return Support.yes("sm_90a, k <= 2048 (CUDA, not a DSL wall: the select code is shared bitwise with the "
                            "fused indexer_topk_paged; DSL port open, see kernels_cuda/topk.py)")
 
-    def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=True,
+    def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=False,
             num_blocks=None):
         config = launch_config(logits) if logits.shape[0] else None
         self.op.record_config(config)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Hashable
 
 from dsv4.config import env_flag, env_str
-from dsv4.registry import Provider, Support
+from dsv4.registry import Sm90Provider, Support, sm90_support
 
 __all__ = ["dsl_available", "compile_cached", "compile_options", "stats", "current_stream", "launch_on",
            "dsl_target_support", "DslProvider", "dl", "i32", "i64", "f32", "fast_call", "set_fast_call",
@@ -293,14 +293,10 @@ def launch_on(device, fn, *args) -> None:
 
 def dsl_target_support(target, requirement: str = "compiled for sm_90a only") -> Support | None:
     """``Support.no`` when the tensors are not on a Hopper (sm_90a) GPU, else ``None``."""
-    if not target.is_cuda:
-        return Support.no("dsl: the target is not a CUDA device (CPU tensors or no GPU)")
-    if target.arch != "sm_90a":
-        return Support.no(f"dsl: {requirement}, device is {target.arch}")
-    return None
+    return sm90_support("dsl", target, requirement)
 
 
-class DslProvider(Provider):
+class DslProvider(Sm90Provider):
     """Base of the CuTe DSL providers: available when the DSL imports; supports sm_90a targets,
     then asks :meth:`supports_problem` (override it for shape / format limits)."""
 
@@ -312,15 +308,10 @@ class DslProvider(Provider):
         return dsl_available()
 
     def supports(self, problem, target) -> Support:
-        no = dsl_target_support(target, self.arch_requirement)   # (a Support.no is falsy: no `or` here)
-        if no is not None:
-            return no
-        ok = self.supports_problem(problem)
-        note = _dsl_mismatch_note()          # a mismatched install is shown on every dsl row it serves
-        return Support.yes(ok.reason + note) if ok and note else ok
+        ok = super().supports(problem, target)
+        note = _dsl_mismatch_note() if ok else ""    # a mismatched install is shown on every dsl row it serves
+        return Support.yes(ok.reason + note) if note else ok
 
-    def supports_problem(self, problem) -> Support:
-        return Support.yes("sm_90a")
 
 def compile_variants(label: str, variants: dict, dump_dir: str | None = None, arch: str = "sm_90a",
                      only=None) -> dict[str, str]:

@@ -14,8 +14,9 @@ read-only path without L1 allocation and with an L2 eviction-priority policy
 32-bit shared-window address. Memory ops and ``shfl.sync`` carry ``has_side_effects`` (never
 merged, hoisted or sunk into a branch); pure arithmetic does not. The generic loads / stores /
 converts come from ``kernels_dsl/sm90/ptx.py`` (imported under the short names used here). Shared by
-the quantizers: the per-warp bulk-copy tile ring (``ring_*``: mbarrier + ``cp.async.bulk``) and the
-one staged-tile store loop (``store_staged``).
+the quantizers: the one staged-tile store loop (``store_staged``) and the E2M1 encoder
+(``e2m1x8_encode_rn``); the per-warp bulk-copy tile ring (``ring_*``: mbarrier + ``cp.async.bulk``) of the
+NVFP4 quantizer.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ if _HAVE_DSL:
                            ld_global_nc_f32 as ld_nc_f32, ld_shared_b32 as lds_b32,
                            ld_shared_v4 as lds_v4, st_global_b32 as st_b32, st_global_f32 as st_f32,
                            st_shared_b32 as sts_b32)
+    from .sm90.fp4 import e2m1x8_signs
 
     def _v(x, ty, loc, ip):
         return ty(x).ir_value(loc=loc, ip=ip)
@@ -139,12 +141,27 @@ if _HAVE_DSL:
     def clz(a, *, loc=None, ip=None):
         return _u32("clz.b32 $0, $1;", "=r,r", [_v(a, Uint32, loc, ip)], loc=loc, ip=ip)
 
-    def chunk_absmax(w):
+    def chunk_absmax(w, fp16=None):
         """max |half| of the 8 halves of a 16-byte chunk, as |bits| (Uint32 in [0, 0x7FFF]).
-        |bits| order = |value| order for bf16 / fp16; NaN > Inf > every finite value."""
+        |bits| order = |value| order for bf16 / fp16; NaN > Inf > every finite value. With the input
+        dtype given (``fp16`` True / False): three packed ``max.NaN.xorsign.abs.{f16x2,bf16x2}`` (a NaN
+        half gives the canonical NaN 0x7FFF, still >= Inf; job quant8-01: 1-3% faster than the integer
+        masks); ``None``: integer masks + ``max.u16x2`` (dtype-free)."""
+        if fp16 is not None:
+            a = absmax_h2x4(w[0], w[1], w[2], w[3], fp16) & Uint32(0x7FFF7FFF)
+            return umax(a & Uint32(0xFFFF), a >> 16)
         m = Uint32(0x7FFF7FFF)
         a = max_u16x2(max_u16x2(w[0] & m, w[1] & m), max_u16x2(w[2] & m, w[3] & m))
         return umax(a & Uint32(0xFFFF), a >> 16)
+
+    @dsl_user_op
+    def absmax_h2x4(w0, w1, w2, w3, fp16: bool, *, loc=None, ip=None):
+        """Lane-wise ``max(|w0|, |w1|, |w2|, |w3|)`` of four half pairs (magnitudes; the sign bits are junk),
+        NaN-propagating."""
+        ty = "f16x2" if fp16 else "bf16x2"
+        return _u32("{\n.reg .b32 a, b;\nmax.NaN.xorsign.abs.%s a, $1, $2;\nmax.NaN.xorsign.abs.%s b, $3, $4;\n"
+                    "max.NaN.xorsign.abs.%s $0, a, b;\n}" % (ty, ty, ty), "=r,r,r,r,r",
+                    [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
 
     # ---------------------------------------------------------------- float helpers (exact PTX)
     @dsl_user_op
@@ -393,6 +410,34 @@ if _HAVE_DSL:
             acc = max_u16x2(acc, m & (kill ^ Uint32(0xFFFFFFFF)))
         return umax(acc & Uint32(0xFFFF), acc >> 16)
 
+    # ---------------------------------------------------------------- E2M1 encode (one magic add per element)
+    #: mad constant of :func:`e2m1_rn_bits`: bits(M) = 0x4A800000 + E * 0x800002 = e * 0x800002 + E2M1_MAGIC_C
+    E2M1_MAGIC_C = (0x4A800000 - 127 * 0x800002) & 0xFFFFFFFF
+
+    @dsl_user_op
+    def e2m1_rn_bits(f, enc, *, loc=None, ip=None):
+        """One element: bits of ``s = a + M_E`` for ``a = min(|RN(f * enc)|, 6)`` (``mul.rn``), whose low
+        byte IS the E2M1 magnitude index (RNE on the level set). ``E = max(floor(log2 a), 0)`` picks the
+        binade grid 0.5 / 1 / 2 and ``M_E = 2^22, 2^23 + 2, 2^24 + 8`` (on that grid, so the single
+        ``add.rn`` rounds ``a`` to it with ties to even) adds the level offset 0 / 2 / 4 of the binade
+        to the mantissa: ``bits(M_E) = 0x4A800000 + E * 0x800002``. 6 SASS instructions."""
+        return _u32("{\n.reg .f32 y, a, s;\n.reg .b32 u, e, m;\nmul.rn.f32 y, $1, $2;\nabs.f32 a, y;\n"
+                    "min.f32 a, a, 0f40C00000;\nmov.b32 u, a;\nshr.u32 e, u, 23;\nmax.u32 e, e, 127;\n"
+                    f"mad.lo.u32 m, e, 8388610, {E2M1_MAGIC_C};\nmov.b32 s, m;\nadd.rn.f32 s, a, s;\n"
+                    "mov.b32 $0, s;\n}", "=r,f,f", [_v(f, Float32, loc, ip), _v(enc, Float32, loc, ip)],
+                    loc=loc, ip=ip)
+
+    def e2m1x8_encode_rn(f, enc, words):
+        """8 fp32 values ``f`` (element i -> nibble i) times ``enc`` -> one word of E2M1 codes, bit-identical
+        to ``kernels_dsl/sm90/fp4.py:e2m1x8_encode`` (RNE on the level set, ``|y| > 6`` saturates; signs
+        from the 4 input ``words``): :func:`e2m1_rn_bits` per element, then the low bytes are packed
+        with 4 shift-adds (``(s_2i+1 << 4) + s_2i``: the byte holds both nibbles) and 3 ``prmt``."""
+        s = [e2m1_rn_bits(f[i], enc) for i in range(8)]
+        p = [(s[2 * i + 1] << 4) + s[2 * i] for i in range(4)]
+        lo = prmt(p[0], p[1], Uint32(0x0040))
+        hi = prmt(p[2], p[3], Uint32(0x0040))
+        return prmt(lo, hi, Uint32(0x5410)) | e2m1x8_signs(*words)
+
     @dsl_user_op
     def ld_relaxed_b32(addr, *, loc=None, ip=None):
         """``ld.relaxed.gpu.global.b32``: a value written by another CTA during this launch."""
@@ -414,6 +459,22 @@ if _HAVE_DSL:
              "QWAIT:\nld.acquire.gpu.global.b32 g, [gen];\nsetp.eq.u32 p, g, g0;\n@p bra QWAIT;\nQDONE:\n}",
              "l,r,l,r,r", [_v(partial_addr, Int64, loc, ip), _v(value, Uint32, loc, ip), _v(ws, Int64, loc, ip),
                            _v(last, Uint32, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_v4(addr, pol, hint: bool = True, *, loc=None, ip=None):
+        """16-byte read-only load without L1 allocation (L2 policy ``pol`` with ``hint``), unpredicated."""
+        if hint:
+            return _struct(4, "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], $5;",
+                           "=r,=r,=r,=r,l,l", [_v(addr, Int64, loc, ip), _v(pol, Int64, loc, ip)], True, loc, ip)
+        return _struct(4, "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                       [_v(addr, Int64, loc, ip)], True, loc, ip)
+
+    def ld_tile_into(buf, x, cb, lane, pol, rem, qj: int, hint: bool = True):
+        """Register double buffer fill: the ``qj`` 16-byte chunks ``cb + 32 j + lane`` of a warp tile with ``rem``
+        valid chunks into ``buf[4 j + k]`` (an rmem tensor of 4 qj Uint32): unpredicated loads for a full tile
+        (fresh registers, so the compiler can issue them before the previous tile is consumed), zero-filled
+        predicated ones for a partial tile."""
+        return _ld_tile_into(buf, x, cb, lane, pol, rem, qj, hint)
 
     @dsl_user_op
     def ld_nc_v4_if_any(addr, pol, pred, hint: bool = True, *, loc=None, ip=None):
@@ -447,3 +508,16 @@ if _HAVE_DSL:
             for iw in cutlass.range_constexpr(tile_bytes // 128):
                 if Int64(32 * iw + lane) < valid_words:
                     st_b32(dst + Int64(32 * iw + lane) * 4, lds_b32(sd + (32 * iw + lane) * 4))
+
+    @cute.jit
+    def _ld_tile_into(buf, x, cb, lane, pol, rem, qj: cutlass.Constexpr, hint: cutlass.Constexpr):
+        if rem >= 32 * qj:
+            for j in cutlass.range_constexpr(qj):
+                w = ld_nc_v4(x + (cb + (32 * j) + Int64(lane)) * 16, pol, hint)
+                for k in cutlass.range_constexpr(4):
+                    buf[4 * j + k] = w[k]
+        else:
+            for j in cutlass.range_constexpr(qj):
+                w = ld_nc_v4_if(x + (cb + (32 * j) + Int64(lane)) * 16, pol, Int32((32 * j) + lane < rem))
+                for k in cutlass.range_constexpr(4):
+                    buf[4 * j + k] = w[k]

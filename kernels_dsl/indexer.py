@@ -369,6 +369,10 @@ def compile_hist_check(dump_dir: Optional[str] = None, arch: str = "sm_90a", var
 #: at B=32); at 16 they are on par. The fused path is kept only there; it must win somewhere again (the
 #: selection inside the logits kernel, docs/status.md) or be deleted.
 FUSED_MIN_SPLITS = 16
+#: the order of ``indexer_topk_paged`` on both paths: its contract (dsv4/ops/indexer.py, and the torch
+#: provider's reference) is still score-sorted, while the ``topk`` op's default became ascending position
+#: (issue 15); both paths pass it explicitly so that fused == composed == reference stays bitwise.
+TOPK_PAGED_SORTED = True
 
 
 class DslTopkPagedFused(DslPagedLogits):
@@ -426,7 +430,8 @@ class DslTopkPagedFused(DslPagedLogits):
         mapped = problem["mapped"]
         return topk(logits, lens.reshape(-1), problem["k"], block_table=block_table if mapped else None,
                     block_size=problem["block_size"] if mapped else 0, rows_per_seq=problem["next_n"],
-                    return_scores=True, num_blocks=int(cache.shape[0]) if mapped else None)
+                    return_scores=True, num_blocks=int(cache.shape[0]) if mapped else None,
+                    sorted=TOPK_PAGED_SORTED)
 
     def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fused=None,
             splits=None, threads=512):
@@ -469,7 +474,8 @@ class DslTopkPagedFused(DslPagedLogits):
             launch_on(dev, fn, *args)
         mapped = problem["mapped"]
         return topk_select_cuda(out, lv, ws, k, block_table if mapped else None, bs if mapped else 0, nn,
-                                splits=splits, threads=threads, num_blocks=nb if mapped else None)
+                                splits=splits, threads=threads, num_blocks=nb if mapped else None,
+                                sorted=TOPK_PAGED_SORTED)
 
 
 PROVIDERS = {"indexer_logits_paged": DslPagedLogits, "indexer_logits": DslLogits,

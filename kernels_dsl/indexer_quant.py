@@ -10,11 +10,11 @@ iteration (every row load of an iteration in flight before the first rotation):
 * lane ``q = lane % 8`` of row ``lane // 8`` loads the two 16-byte chunks A = elements
   ``8q .. 8q+7`` and B = ``64 + 8q .. 64 + 8q + 7`` (every warp load instruction reads 4 x 128
   contiguous bytes);
-* Hadamard (``hadamard``): the rows are rotated in fp64 with the reference's butterflies in its
-  stage order (index bit 0 first): bits 0-2 inside a chunk, bits 3-5 by ``shfl.bfly`` over the
-  row's 8 lanes, bit 6 (A with B) in-thread;
-  then one ``mul.rn.f64`` by fp64(128^-0.5) and one correct rounding to bf16 (round to odd into
-  fp32, then ``cvt.rn.bf16.f32``: the double rounding is then exact);
+* Hadamard (``hadamard``): the rows are rotated by the fp32 contract of ``dsv4.reference.hadamard``
+  (the official kernel's arithmetic): butterflies in its stage order (index bit 0 first): bits 0-2
+  inside a chunk, bits 3-5 by ``shfl.bfly`` over the row's 8 lanes (one ``fma.rn.f32(d, +-1, p)``
+  per value), bit 6 (A with B) in-thread; then one ``mul.rn.f32`` by fp32(128^-0.5) and one
+  ``cvt.rn.bf16x2.f32``: bit-exact with the reference;
 * each chunk of 8 values is then one quantizer "chunk" of ``kernels_dsl/quantize_fp4.py`` /
   ``quantize_fp8.py`` (same roundings, same instructions): MXFP4 (DSV4 ceil rule) blocks of 32 =
   4 lanes, NVFP4 (caller's global decode scale, TE order) blocks of 16 = 2 lanes, FP8 one
@@ -46,7 +46,7 @@ try:
 
     from ._quantize_ptx import (ABS_INF, F32_1EM4, F32_FLT_MAX, F32_INV6, F32_INV448, F32_MX_FLOOR, _v,
                                 bits_f32, chunk_absmax, clz, e4m3_to_f32, e4m3x2, finite_chunk_absmax,
-                                fmax, fmin, fmul, frcp, half_to_f32, l2_evict_first, ld_nc_b32, ld_nc_f32,
+                                f32_to_bf16x2, fmax, fmin, fmul, frcp, half_to_f32, l2_evict_first, ld_nc_b32, ld_nc_f32,
                                 ld_nc_v4_if, shfl_bfly_max, st_b32, st_f32, st_u8, ue8m0_ceil_byte, vote_any)
     from .quantize_fp8 import _patch_nonfinite
     from .sm90.fp4 import e2m1x8_encode
@@ -56,11 +56,11 @@ except Exception:  # noqa: BLE001
 
 __all__ = ["IndexerQuantConfig", "IndexerQuantKernel", "DslCacheWrite", "DslQQuant", "PROVIDERS", "compile_check"]
 
-F64_RSQRT128 = "0d3FB6A09E667F3BCD"     # fp64(128^-0.5), the reference's torch.tensor(128 ** -0.5, float64)
+F32_RSQRT128 = 0x3DB504F3             # fp32(128^-0.5), the reference's torch.tensor(128 ** -0.5, float32)
 
 #: what every variant's PTX contains (16-byte loads, 4-byte stores); the Hadamard variants also HADAMARD_PTX
 PTX_PATTERNS = (r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32", r"st\.global\.b32")
-HADAMARD_PTX = (r"add\.rn\.f64", r"shfl\.sync\.bfly", r"cvt\.rz\.f32\.f64", r"cvt\.rn\.bf16\.f32")
+HADAMARD_PTX = (r"add\.rn\.f32", r"shfl\.sync\.bfly", r"fma\.rn\.f32", r"cvt\.rn\.bf16x2\.f32")
 PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
 
 
@@ -74,69 +74,53 @@ class IndexerQuantConfig:
     slot64: bool = True          # slot_mapping dtype int64 (else int32)
     groups: int = 4              # 4-row steps per warp iteration (loads in flight: 2 x groups 16-byte per lane)
     warps: int = 4
+    min_blocks: int = 0          # launch bound: CTAs per SM the registers must allow (0: none)
 
 
 if _HAVE_DSL:
 
-    # ------------------------------------------------------------------ fp64 rotation helpers (exact PTX)
+    # ------------------------------------------------------------------ fp32 rotation helpers (exact PTX)
     @dsl_user_op
-    def _bf16_to_f64(w, hi: bool, *, loc=None, ip=None):
-        """The low (``hi`` False) or high bf16 half of word ``w`` as fp64 (exact)."""
-        sh = "and.b32 u, $1, 0xFFFF0000;" if hi else "shl.b32 u, $1, 16;"
-        return llvm.inline_asm(T.f64(), [_v(w, Uint32, loc, ip)],
-                               "{\n.reg .b32 u;\n.reg .f32 f;\n" + sh + "\nmov.b32 f, u;\ncvt.f64.f32 $0, f;\n}",
-                               "=d,r", has_side_effects=False, is_align_stack=False,
-                               asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-    @dsl_user_op
-    def _f64_pair(a, b, *, loc=None, ip=None):
-        """(a + b, a - b) in fp64 (``add.rn`` / ``sub.rn``; exact for the rotation's sums)."""
-        r = llvm.inline_asm(llvm.StructType.get_literal([T.f64(), T.f64()]), [a, b],
-                            "add.rn.f64 $0, $2, $3;\nsub.rn.f64 $1, $2, $3;", "=d,=d,d,d", has_side_effects=False,
+    def _f32_pair(a, b, *, loc=None, ip=None):
+        """(a + b, a - b) in fp32 (``add.rn`` / ``sub.rn``: never contracted)."""
+        r = llvm.inline_asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
+                            [_v(a, Float32, loc, ip), _v(b, Float32, loc, ip)],
+                            "add.rn.f32 $0, $2, $3;\nsub.rn.f32 $1, $2, $3;", "=f,=f,f,f", has_side_effects=False,
                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-        return (llvm.extractvalue(T.f64(), r, [0], loc=loc, ip=ip), llvm.extractvalue(T.f64(), r, [1], loc=loc, ip=ip))
+        return (Float32(llvm.extractvalue(T.f32(), r, [0], loc=loc, ip=ip)),
+                Float32(llvm.extractvalue(T.f32(), r, [1], loc=loc, ip=ip)))
 
     @dsl_user_op
-    def _f64_bfly(d, m: int, upper, *, loc=None, ip=None):
-        """One butterfly stage across lanes ``lane ^ m``: the lower lane gets ``d + p``, the upper
-        ``p - d`` (``p`` = the partner's value; ``p - d`` computed as ``(-d) + p``, one rounding)."""
-        return llvm.inline_asm(
-            T.f64(), [d, _v(upper, Int32, loc, ip)],
-            "{\n.reg .b32 lo, hi;\n.reg .f64 p, n;\n.reg .pred q;\nmov.b64 {lo, hi}, $1;\n"
-            f"shfl.sync.bfly.b32 lo, lo, {int(m)}, 0x1f, 0xffffffff;\nshfl.sync.bfly.b32 hi, hi, {int(m)}, 0x1f, 0xffffffff;\n"
-            "mov.b64 p, {lo, hi};\nsetp.ne.b32 q, $2, 0;\nneg.f64 n, $1;\nselp.f64 n, n, $1, q;\nadd.rn.f64 $0, n, p;\n}",
-            "=d,d,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-    @dsl_user_op
-    def _rot_to_bf16(d, *, loc=None, ip=None):
-        """``bf16(d * fp64(128^-0.5))`` correctly rounded (round to odd into fp32, then RNE to bf16),
-        returned as the fp32 bit pattern of that bf16 value."""
-        return Uint32(llvm.inline_asm(
-            T.i32(), [d],
-            "{\n.reg .f64 y, b;\n.reg .f32 f;\n.reg .b32 u;\n.reg .b16 h;\n.reg .pred p;\n"
-            f"mul.rn.f64 y, $1, {F64_RSQRT128};\ncvt.rz.f32.f64 f, y;\ncvt.f64.f32 b, f;\nsetp.neu.f64 p, b, y;\n"
-            "mov.b32 u, f;\n@p or.b32 u, u, 1;\nmov.b32 f, u;\ncvt.rn.bf16.f32 h, f;\nmov.b32 $0, {0, h};\n}",
-            "=r,d", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    def _f32_bfly(d, m: int, sgn, *, loc=None, ip=None):
+        """One butterfly stage across lanes ``lane ^ m``: ``fma.rn(d, sgn, p)`` with ``p`` the
+        partner's value, ``sgn`` +1 on the lower lane (``d + p``), -1 on the upper (``p - d``):
+        one rounding, the reference's ``a + b`` / ``a - b``."""
+        return Float32(llvm.inline_asm(
+            T.f32(), [_v(d, Float32, loc, ip), _v(sgn, Float32, loc, ip)],
+            "{\n.reg .f32 p;\n"
+            f"shfl.sync.bfly.b32 p, $1, {int(m)}, 0x1f, 0xffffffff;\n"
+            "fma.rn.f32 $0, $1, $2, p;\n}",
+            "=f,f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
     def _rotate_row(wa, wb, lane):
         """Hadamard of the row this lane's 8-lane group holds (chunks ``wa`` / ``wb`` of 4 bf16 words
-        each) -> (bf16 words of A, of B), rounded like the reference."""
-        d = [_bf16_to_f64(wa[i // 2], i % 2 == 1) for i in range(8)] + \
-            [_bf16_to_f64(wb[i // 2], i % 2 == 1) for i in range(8)]
-        # the reference's stage order (index bit 0 first), so that rows whose sums are not exact in
-        # fp64 (exponent spread > 38 binades) round the same way too
+        each) -> (bf16 words of A, of B), the contract of ``dsv4.reference.hadamard``: fp32
+        butterflies in the reference's stage order (index bit 0 first), one ``mul.rn.f32`` by
+        fp32(128^-0.5), one ``cvt.rn.bf16x2.f32``."""
+        d = _f32x8(wa) + _f32x8(wb)
         for h in (1, 2, 4):                        # index bits 0, 1, 2: inside a chunk
             for i in range(16):
                 if i & h == 0:
-                    d[i], d[i + h] = _f64_pair(d[i], d[i + h])
+                    d[i], d[i + h] = _f32_pair(d[i], d[i + h])
         for m in (1, 2, 4):                        # index bits 3, 4, 5 = lane bits 0, 1, 2
-            up = Int32((lane & m) != 0)
-            d = [_f64_bfly(v, m, up) for v in d]
+            sgn = cutlass.select_((lane & m) != 0, Float32(-1.0), Float32(1.0))
+            d = [_f32_bfly(v, m, sgn) for v in d]
         for i in range(8):                         # index bit 6: chunk A (elements < 64) with chunk B
-            d[i], d[i + 8] = _f64_pair(d[i], d[i + 8])
-        b = [_rot_to_bf16(v) for v in d]
-        wa2 = [(b[2 * k] >> 16) | b[2 * k + 1] for k in range(4)]
-        wb2 = [(b[8 + 2 * k] >> 16) | b[8 + 2 * k + 1] for k in range(4)]
+            d[i], d[i + 8] = _f32_pair(d[i], d[i + 8])
+        rs = bits_f32(Uint32(F32_RSQRT128))
+        y = [fmul(v, rs) for v in d]
+        wa2 = [f32_to_bf16x2(y[2 * k], y[2 * k + 1]) for k in range(4)]
+        wb2 = [f32_to_bf16x2(y[8 + 2 * k], y[8 + 2 * k + 1]) for k in range(4)]
         return wa2, wb2
 
     def _f32x8(w):
@@ -160,8 +144,9 @@ if _HAVE_DSL:
         @cute.jit
         def __call__(self, x: Int64, slots: Int64, gsrc: Int64, out: Int64, sf_out: Int64, w_in: Int64, w_out: Int64,
                      rows: Int64, bs: Int32, num_slots: Int64, n_ctas: Int32, stream: cuda.CUstream):
+            lb = {"min_blocks_per_mp": self.cfg.min_blocks, "preferred_smem_carveout": 50} if self.cfg.min_blocks else {}
             self.kernel(x, slots, gsrc, out, sf_out, w_in, w_out, rows, bs, num_slots).launch(
-                grid=[n_ctas, 1, 1], block=[32 * self.cfg.warps, 1, 1], stream=stream)
+                grid=[n_ctas, 1, 1], block=[32 * self.cfg.warps, 1, 1], stream=stream, **lb)
 
         @cute.kernel
         def kernel(self, x: Int64, slots: Int64, gsrc: Int64, out: Int64, sf_out: Int64, w_in: Int64, w_out: Int64,
@@ -331,50 +316,69 @@ def plan_groups(rows: int, sms: int) -> int:
     return 4 if rows >= 16 * 4 * 4 * sms else 1
 
 
+#: benchmark hook ({"groups": g, "warps": w, "ctas_per_sm": c} override the plan); empty in production
+VARIANT: dict = {}
+
+
+#: CTAs per SM and launch bound of the 16-rows-per-warp plan (groups 4; job kvmem8-01, 8 x 32768 MXFP4 keys,
+#: bit-identical: 4 CTAs, no bound 48.6 us; 6 CTAs, bound 6 (<= 80 registers) 45.4; 8 / bound 8 46.8; groups 2 with
+#: 12 / 12 45.4, with 8 / none 48.3; groups 1 with 16 46.7); the decode plan (groups 1) keeps 4 CTAs, no bound
+LARGE_CTAS = 6
+
+
 def _grid(rows: int, cfg: IndexerQuantConfig, dev) -> int:
     from .quantize import _sms
     need = -(-rows // (4 * cfg.groups * cfg.warps))
-    return max(1, min(need, _sms(dev) * 4))        # (64-128 registers: 4+ CTAs of 4 warps per SM resident)
+    per_sm = LARGE_CTAS if cfg.groups == 4 else 4                  # persistent: CTAs of 4 warps per SM
+    return max(1, min(need, _sms(dev) * VARIANT.get("ctas_per_sm", per_sm)))
 
 
 def _cfg(fmt: str, hadamard: bool, cache: bool, slot64: bool, rows: int, dev) -> IndexerQuantConfig:
     from .quantize import _sms
-    return IndexerQuantConfig(fmt, hadamard, cache, slot64, plan_groups(rows, _sms(dev)))
+    g = VARIANT.get("groups", plan_groups(rows, _sms(dev)))
+    return IndexerQuantConfig(fmt, hadamard, cache, slot64, g, VARIANT.get("warps", 4),
+                              VARIANT.get("min_blocks", LARGE_CTAS if g == 4 else 0))
 
 
-#: Ops whose DSL kernel passed the bit-exact H200 checks (jobs mem7-02 / mem7-03, 2026-12-01:
-#: tests/test_indexer_quant.py -m gpu, 22 passed: every format x Hadamard x slot dtype, skipped / out-of-range
-#: slots, NaN / Inf rows, extreme magnitudes and exponent spreads, both row plans, graph replay); False: never a
-#: default, never forced.
+#: Ops whose DSL kernel passed the bit-exact H200 checks (jobs mem7-02 / mem7-03, 2026-12-01, with the fp64 rotation;
+#: job kvmem8-01 with the fp32 contract: tests/test_indexer_quant.py -m gpu; every format x Hadamard x slot dtype,
+#: skipped / out-of-range slots, NaN / Inf rows, extreme magnitudes and exponent spreads, both row plans, graph
+#: replay); False: never a default, never forced.
 VALIDATED = {"indexer_cache_write": True, "indexer_q_quant": True}
-#: H200, job mem7-03 (CUDA-graph us, dsl / the CUDA indexer_quant_kernel, Hadamard on, copy BW 4252 GB/s): cache
-#: write 8 x 32768 keys (random slots) MXFP4 86.7 / 138.3, FP8 101.2 / 111.8, NVFP4 86.9 / 133.6; 128 keys 3.00 /
-#: 2.28, 2.92 / 2.25, 3.24 / 2.28; q quant T=4096 MXFP4 82.4 / 126.6, FP8 95.2 / 101.3, NVFP4 82.4 / 121.5; T=64
-#: 9.01 / 5.91, 6.82 / 5.58, 5.78 / 6.04; T=1 8.94 / 8.97, 5.78 / 5.47, 5.71 / 5.39.
-MEASURED = ("cuda measured faster at decode sizes (128 keys 2.28 / dsl 3.00 us, q quant T=64 5.91 / 9.01, MXFP4), dsl at "
-            "prefill sizes (8x32k keys 86.7 / cuda 138.3 us, T=4096 82.4 / 126.6); the problem has no row count to choose "
-            "by (job mem7-03)")
+#: H200, job kvmem8-01 (CUDA-graph us, dsl / the CUDA indexer_quant_kernel, Hadamard on (fp32 contract), random
+#: slots, copy BW 4276 GB/s): cache write 8 x 32768 keys MXFP4 48.7 / 99.8, FP8 59.0 / 72.9, NVFP4 49.1 / 96.7;
+#: 128 keys 2.63 / 2.26, 2.41 / 2.07, 2.48 / 2.00; q quant T=4096 MXFP4 46.3 / 87.2, FP8 53.8 / 62.4, NVFP4 44.8 /
+#: 84.4; T=64 (4096 rows) 2.79 / 3.12, 2.75 / 2.57, 2.69 / 2.96; T=1 2.33 / 2.08, 2.17 / 1.92, 2.22 / 1.87.
+MEASURED = ("H200 kvmem8-01: cuda faster up to 128 keys / 64 q rows (2.26 vs dsl 2.63 us, MXFP4), even at 4096 rows "
+            "(+-0.3 us), dsl 1.2-2.1x faster at 262144 rows (8x32k keys 48.7 vs 99.8 us)")
+
+
+#: the smallest row-count class (``problem["rows"]``, dsv4.ops.indexer.row_class) from which this provider is the
+#: default (below it the cuda provider, measured faster there: :data:`MEASURED`); forcing it works at every size
+MIN_ROWS = {"indexer_cache_write": 1 << 13, "indexer_q_quant": 1 << 13}
 
 
 class _Base(DslProvider):
-    def _gate(self):
-        """Validated, and forced (``registry.use`` / ``DSV4_OPS``): the cuda provider is the default, measured
-        faster at decode sizes (:data:`MEASURED`)."""
+    def _gate(self, problem):
+        """Validated, and a problem of at least :data:`MIN_ROWS` rows, or forced (``registry.use`` /
+        ``DSV4_OPS``)."""
         if not VALIDATED[self.op.name]:
             return Support.no("dsl: kernel not validated on the H200 yet (issue 16)")
         from dsv4 import registry
-        if registry._forced_kind(self.op.name) != "dsl":
-            return Support.no("dsl: " + MEASURED)
+        if registry._forced_kind(self.op.name) == "dsl":
+            return None
+        if problem.get("rows", 0) < MIN_ROWS[self.op.name]:
+            return Support.no(f"dsl: a row class under {MIN_ROWS[self.op.name]}: the cuda provider ({MEASURED})")
         return None
 
 
 class DslCacheWrite(_Base):
-    describe = ("indexer_quant.py: 8 lanes per row, fp64 FWHT (in-thread + 3 shuffle stages), E2M1/E4M3 encode "
+    describe = ("indexer_quant.py: 8 lanes per row, fp32 FWHT (in-thread + 3 shuffle stages), E2M1/E4M3 encode "
                 "as quantize_fp4/fp8.py, paged store")
 
     def supports_problem(self, problem):
-        no = self._gate()
-        return no if no is not None else Support.yes("sm_90a, every format, hadamard or not (forced)")
+        no = self._gate(problem)
+        return no if no is not None else Support.yes(f"sm_90a, every format, hadamard or not ({MEASURED})")
 
     def run(self, problem, *, cache, k, slot_mapping, global_scale):
         n = k.shape[0]
@@ -392,11 +396,11 @@ class DslCacheWrite(_Base):
 
 
 class DslQQuant(_Base):
-    describe = "indexer_quant.py (q mode): 8 lanes per (t, h) row, fp64 FWHT, encode as quantize_fp4/fp8.py"
+    describe = "indexer_quant.py (q mode): 8 lanes per (t, h) row, fp32 FWHT, encode as quantize_fp4/fp8.py"
 
     def supports_problem(self, problem):
-        no = self._gate()
-        return no if no is not None else Support.yes("sm_90a, every format, hadamard or not (forced)")
+        no = self._gate(problem)
+        return no if no is not None else Support.yes(f"sm_90a, every format, hadamard or not ({MEASURED})")
 
     def run(self, problem, *, q, w, global_scale):
         from dsv4.ops.indexer import q_quant_outputs

@@ -82,6 +82,28 @@ LARGE = {
 OVERRIDE: dict = {}
 
 
+def flat_override(over: dict) -> dict:
+    """:data:`OVERRIDE` for launch choices given as flat keys (benchmark sweeps, tests): kernel-config fields go
+    to every family that has them (``dq_*``: the dequantizer), ``ctas_per_sm`` too; ``path`` / ``reverse`` to
+    the NVFP4 device-amax launch."""
+    import dataclasses
+
+    from .quantize_fp4 import Fp4Config
+    from .quantize_fp8 import Fp8Config, Fp8DqConfig
+    out: dict = {}
+    for fam, cls in (("fp4", Fp4Config), ("fp8", Fp8Config), ("dequant", Fp8DqConfig)):
+        names = {f.name for f in dataclasses.fields(cls)} | {"ctas_per_sm"}
+        src = {k[3:]: v for k, v in over.items() if k.startswith("dq_")} if fam == "dequant" else over
+        d = {k: v for k, v in src.items() if k in names}
+        if d:
+            out[fam] = d
+    if "path" in over:
+        out["nvfp4_path"] = over["path"]
+    if "reverse" in over:
+        out["reverse"] = over["reverse"] not in (0, False)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     import torch
@@ -135,7 +157,10 @@ def plan_nvfp4(in_dtype: str, swizzled: bool, given: bool, M: int, K: int, sms: 
                             1, "grid")
     g = _geometry("nvfp4" if given else "nvfp4-amax", n_chunks, sms)
     cfg = Fp4Config("nvfp4", in_dtype, swizzled=swizzled, gs=GS_GIVEN if given else GS_PARTIALS, qj=g["qj"],
-                    warps=g["warps"], min_blocks=g["min_blocks"], pipe=g.get("pipe", 0), lut=g.get("lut", 0))
+                    warps=g["warps"], min_blocks=g["min_blocks"], pipe=g.get("pipe", 0), lut=g.get("lut", 0),
+                    prefetch=g.get("prefetch", False), quad=False)
+    # row-quad tiles (Fp4Config.quad) are off: quant8-02 measured them 1.8% faster at 8192^2 (53.7 vs
+    # 54.7 us) but 2x slower at [16, 7168] (5.49 vs 2.77 us); restrict them to the large class or delete
     cfg, cps = _override("fp4", cfg, g["ctas_per_sm"])
     return Plan(cfg, cps, "given" if given else "partials")
 
@@ -151,8 +176,7 @@ def plan_mxfp4(in_dtype: str, rule: str, M: int, K: int, sms: int) -> Plan:
 def plan_fp8(block: int, scale: int, in_dtype: str, M: int, K: int, sms: int) -> Plan:
     from .quantize_fp8 import Fp8Config
     g = _geometry("fp8", M * K // 8, sms)
-    cfg = Fp8Config(block, scale, in_dtype, qj=g["qj"], warps=g["warps"], min_blocks=g["min_blocks"],
-                    pipe=g.get("pipe", 0))
+    cfg = Fp8Config(block, scale, in_dtype, qj=g["qj"], warps=g["warps"], min_blocks=g["min_blocks"])
     return Plan(*_override("fp8", cfg, g["ctas_per_sm"]))
 
 

@@ -7,11 +7,13 @@ dequantize_fp8_block.md.
   or that power of two's UE8M0 byte. Mapping as ``kernels_dsl/quantize_fp4.py``: warp tiles of
   ``32 * QJ`` 16-byte chunks, lane ``l`` loads chunk ``32 j + l`` (512 contiguous bytes per warp
   load), a block spans ``block / 8`` lanes (``shfl.sync.bfly`` max), E4M3 bytes staged per warp in
-  shared memory and written with 16-byte stores (``store_staged``). ``q = e4m3(x / s)`` with ``x / s``
+  shared memory and written with 16-byte stores (``store_staged``). ``|x|`` max per chunk: packed ``max.NaN.xorsign.abs``
+  half pairs (``_quantize_ptx.py`` ``chunk_absmax``). ``q = e4m3(x / s)`` with ``x / s``
   correctly rounded (fp32 scale: Markstein in 3 instructions, ``_quantize_ptx.py`` ``div_rn_by3``;
   power-of-two scale: ``x * (1/s)``, exact reciprocal, the same single rounding), then
-  ``cvt.rn.satfinite.e4m3x2.f32`` (clamps to +-448). Loads as quantize_fp4.py (registers, or the
-  ``pipe`` bulk-copy ring).
+  ``cvt.rn.satfinite.e4m3x2.f32`` (clamps to +-448). Register loads (16-byte ``ld.global.nc``; the
+  bulk-copy ring of quantize_fp4.py lost here: 59.2-61.4 vs 57.2 us at 8192^2, job mem7-01; so did a
+  register double buffer: 59.4 vs 56.9 us, job quant8-01).
   Non-finite inputs (``dsv4.formats.fp8``, unchanged by issue 19 item 13): the block amax counts
   finite elements only; Inf -> +-448, NaN -> 0x7F. A warp tile holding an Inf / NaN takes one
   warp-uniform branch (``vote.any``) to the patching code (finite-only amax, byte patch); finite
@@ -38,8 +40,8 @@ try:
     from ._quantize_ptx import (ABS_INF, F32_1EM4, F32_INV448, bits_f32, chunk_absmax, div_rn_by3, e4m3x2,
                                e4m3x2_to_f32x2, f32_bits, f32_to_bf16x2, f32_to_f16x2, finite_chunk_absmax, fmax,
                                fmul, frcp, half_to_f32, l2_evict_first, ld_nc_b32_if, ld_nc_u8_if, ld_nc_v2_if,
-                               ld_nc_v4_if_any, lds_b32, lds_u8, ring_alloc, ring_init, ring_issue, ring_read,
-                               shfl_bfly_max, st_b32, st_u8, st_v4_if, store_staged, sts_b32, sts_u8, sts_v2,
+                               ld_nc_v4_if_any, lds_b32, lds_u8, shfl_bfly_max, st_b32, st_u8, st_v4_if,
+                               store_staged, sts_b32, sts_u8, sts_v2,
                                ue8m0_ceil_byte, vote_any, warp_sync, word_to_f32x2)
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
@@ -62,7 +64,6 @@ class Fp8Config:
     warps: int = 8
     min_blocks: int = 0          # launch bound: CTAs per SM the registers must allow (0: compiler's choice)
     l2_hint: bool = True         # 16-byte loads with an L2 evict_first policy (else plain ld.global.nc)
-    pipe: int = 0                # 0: register loads; 1/2/4: per-warp bulk-copy ring of that many warp tiles
 
 
 @dataclass(frozen=True)
@@ -139,37 +140,13 @@ if _HAVE_DSL:
             n_blocks = n_chunks // self.cpb
             t0 = Int64(bidx) * cfg.warps + Int64(warp)
             stride = Int64(gdim) * cfg.warps
-            trips = _trips(t0, n_tiles, stride)
-            P = cfg.pipe
-            rbuf = Int32(0)
-            rbar = Int32(0)
-            if cutlass.const_expr(P > 0):
-                rbuf, rbar = ring_alloc(alloc, cfg.warps, warp, P, self.tile * 16)
-                if lane == 0:
-                    ring_init(rbar, P)
-                warp_sync()
-                for s_ in cutlass.range_constexpr(P):
-                    if (lane == 0) & (Int64(s_) < trips):
-                        self._issue(rbuf, rbar, x, s_, Int64(s_), t0, stride, n_chunks, pol)
-            for it in cutlass.range(trips, unroll=1):
+            for it in cutlass.range(_trips(t0, n_tiles, stride), unroll=1):
                 cb = (t0 + it * stride) * self.tile
-                rem = Int32(cutlass.min(n_chunks - cb, Int64(self.tile)))     # valid chunks of this tile
-                ws = []
-                if cutlass.const_expr(P > 0):
-                    slot, ws = ring_read(rbuf, rbar, P, self.tile * 16, it, lane, cfg.qj)
-                    warp_sync()
-                    if (lane == 0) & (it + P < trips):
-                        self._issue(rbuf, rbar, x, slot, it + P, t0, stride, n_chunks, pol)
-                else:
-                    for j in cutlass.range_constexpr(cfg.qj):
-                        c = cb + (32 * j) + Int64(lane)
-                        # past n_chunks the values are undefined: whole blocks are in or out of range, and
-                        # out-of-range results are never stored
-                        ws.append(ld_nc_v4_if_any(x + c * 16, pol, Int32((32 * j) + lane < rem), cfg.l2_hint))
+                ws = self._load(x, cb, Int32(cutlass.min(n_chunks - cb, Int64(self.tile))), lane, pol)
                 # one warp-uniform branch per tile: a finite tile never runs the non-finite patch code
                 nf = Uint32(0)
                 for j in cutlass.range_constexpr(cfg.qj):
-                    nf = nf | Uint32(chunk_absmax(ws[j]) >= Uint32(self.abs_inf))
+                    nf = nf | Uint32(chunk_absmax(ws[j], self.fp16) >= Uint32(self.abs_inf))
                 if vote_any(Int32(nf)) != Uint32(0):     # rare: an Inf / NaN somewhere in this warp tile
                     self._chunks(ws, lane, sd, ss, True)
                 else:
@@ -194,9 +171,11 @@ if _HAVE_DSL:
                     self._scales_per_block(scale, ss, bb, nbv, lane)
                 warp_sync()
 
-        def _issue(self, rbuf, rbar, x, slot, i, t0, stride, n_chunks, pol):
-            cb = (t0 + i * stride) * self.tile
-            ring_issue(rbuf, rbar, self.tile * 16, slot, x + cb * 16, Int32(cutlass.min(n_chunks - cb, Int64(self.tile))) * 16, pol)
+        def _load(self, x, cb, rem, lane, pol):
+            """The ``qj`` chunks ``cb + 32 j + lane`` of a warp tile with ``rem`` valid chunks; past them the values
+            are undefined (whole blocks are in or out of range, and out-of-range results are never stored)."""
+            return [ld_nc_v4_if_any(x + (cb + (32 * j) + Int64(lane)) * 16, pol, Int32((32 * j) + lane < rem),
+                                    self.cfg.l2_hint) for j in range(self.cfg.qj)]
 
         @cute.jit
         def _scales_per_block(self, scale, ss, bb, nbv, lane):
@@ -216,7 +195,7 @@ if _HAVE_DSL:
             cfg = self.cfg
             for j in cutlass.range_constexpr(cfg.qj):
                 w = ws[j]
-                hb = chunk_absmax(w)
+                hb = chunk_absmax(w, self.fp16)
                 if cutlass.const_expr(slow):
                     hb = finite_chunk_absmax(w, self.abs_inf)
                 for o in cutlass.range_constexpr(self.cpb.bit_length() - 1):
@@ -332,7 +311,6 @@ CHECK_VARIANTS = {
     "quant-fp16-b32-ue8m0": ("q", dict(block=32, scale=SCALE_UE8M0, in_dtype="float16")),
     "quant-bf16-b64-pow2-qj4": ("q", dict(block=64, scale=SCALE_POW2_F32, qj=4)),
     "quant-bf16-b128-ue8m0-qj1": ("q", dict(block=128, scale=SCALE_UE8M0, qj=1, warps=4)),
-    "quant-bf16-b128-fp32-ring": ("q", dict(block=128, scale=SCALE_FP32, qj=8, warps=4, pipe=2)),
     "dequant-b128-fp32-bf16": ("d", dict(block=128, ue8m0=False, out_dtype="bfloat16")),
     "dequant-b32-ue8m0-f32": ("d", dict(block=32, ue8m0=True, out_dtype="float32")),
     "dequant-b64-fp32-f16": ("d", dict(block=64, ue8m0=False, out_dtype="float16")),

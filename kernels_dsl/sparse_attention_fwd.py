@@ -23,8 +23,13 @@ CuTe DSL Hopper FMHA examples; nothing copied):
   base 2 (scale folded in; running max floor -1e30 so empty rows stay finite), P rounded to
   bf16 in registers, ``O[:, 0:256] += P V`` (``wgmma m64n256k16``, P from registers, V = the
   same smem tile read MN-major), P and the row rescale factors also go to smem for
-* warpgroup 1: ``O[:, 256:512] += P V`` (both operands in smem). 512 = 2 x 256 because WGMMA
-  N <= 256 and a 64 x 512 fp32 accumulator does not fit one warpgroup's registers.
+* warpgroup 1: ``O[:, 256:512] += P V`` (both operands in smem). The rescale factors (``sScale``)
+  are double-buffered by tile parity: WG0 writes tile ``i + 1``'s factors into the buffer WG1 did not
+  read last (compute-sanitizer racecheck does not order a read before ``bar.arrive`` against a write
+  after the completing ``bar.sync``: a false WAR report on a single buffer, reproduced by
+  scripts/sanitize_mbarrier_probe.py ``single`` / ``wgmma``; docs/status.md, sanitizer section).
+  512 = 2 x 256 because WGMMA N <= 256 and a 64 x 512 fp32 accumulator does not fit one
+  warpgroup's registers.
 * Epilogue: ``o = O / (l + 2^(sink2 - m2))`` (bf16), ``lse = ln(sum exp(s) + exp(sink))``; with
   KV splits each split writes ``O / l`` (fp32) and its own base-2 LSE without the sink, merged by
   :mod:`kernels_dsl.sparse_attention_combine`.
@@ -172,7 +177,7 @@ if _HAVE_DSL:
                 mbar_kv: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
                 mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
                 sBias: cute.struct.MemRange[Float32, STAGES * TILE_N]
-                sScale: cute.struct.MemRange[Float32, BLOCK_H]
+                sScale: cute.struct.MemRange[Float32, 2 * BLOCK_H]          # (64 rows, tile parity)
                 sOScale: cute.struct.MemRange[Float32, BLOCK_H]
                 sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_l)], 1024]
                 sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_l)], 1024]
@@ -213,7 +218,7 @@ if _HAVE_DSL:
             sK = storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)          # (64 entries, 512, stage)
             sP = storage.sP.get_tensor(sP_l.outer, swizzle=sP_l.inner)          # (64 heads, 64 entries)
             sBias = storage.sBias.get_tensor(cute.make_layout((TILE_N, STAGES)))
-            sScale = storage.sScale.get_tensor(cute.make_layout(BLOCK_H))
+            sScale = storage.sScale.get_tensor(cute.make_layout((BLOCK_H, 2)))
             sOScale = storage.sOScale.get_tensor(cute.make_layout(BLOCK_H))
             # V^T view of the same tile for the PV MMAs: (512 dims, 64 entries, stage)
             sVt = cute.composition(sK, cute.make_ordered_layout((HEAD_DIM, TILE_N, STAGES), order=(1, 0, 2)))
@@ -396,7 +401,7 @@ if _HAVE_DSL:
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 if it > 0:
-                    cute.arch.barrier(barrier_id=BAR_P_FREE, number_of_threads=256)   # WG1 done with sP / sScale
+                    cute.arch.barrier(barrier_id=BAR_P_FREE, number_of_threads=256)   # WG1 done with sP
                 # ---- online softmax (base 2), per row of this thread ----
                 for i in cutlass.range_constexpr(n_rows):
                     m_cur = row_max[i]
@@ -418,7 +423,7 @@ if _HAVE_DSL:
                     for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                         acc_o_mn[i, j] = acc_o_mn[i, j] * scale_old
                     if wtid % 4 == 0:
-                        sScale[cS[i, 0][0]] = scale_old
+                        sScale[cS[i, 0][0], it % 2] = scale_old
                 rP.store(acc_s.load().to(BFloat16))
                 cute.copy(r2s, tPrP, tPsP[(None, None, None, 0)])
                 cute.arch.fence_view_async_shared()              # sP is read by WG1's WGMMA
@@ -492,7 +497,7 @@ if _HAVE_DSL:
                 cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=256)
                 pipe.consumer_wait(cs)
                 for i in cutlass.range_constexpr(n_rows):
-                    sc = sScale[cO[i, 0][0]]
+                    sc = sScale[cO[i, 0][0], it % 2]
                     for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                         acc_o_mn[i, j] = acc_o_mn[i, j] * sc
                 warpgroup.fence()

@@ -12,7 +12,8 @@
 # in flight, in the given order, at most SANITIZE_MAXP processes at once. Each process has a deadline
 # (SANITIZE_DEADLINE_S seconds after the start, default 600), so the script always ends with the table
 #   file | plain pytest | memcheck errors | racecheck hazards (errors) | synccheck errors
-# ("TIMEOUT" / "rc=N" / "NOT-RUN": a run did not finish / pytest failed / the deadline came first), the kernel coverage of the plain runs
+# ("TIMEOUT" / "rc=N" / "NOT-RUN": a run did not finish / pytest failed / the deadline came first; also written to
+# $LOG/../summary.txt and printed LAST, after the other sections, so a transfer that keeps only the tail keeps it), the kernel coverage of the plain runs
 # (every KERNELS entry launched?) and, with SANITIZE_PROBE=1 (default), the mbarrier ring probe
 # (scripts/sanitize_mbarrier_probe.py) under racecheck. Kernel errors only: CUDA API errors (torch
 # probing optional driver entry points) are not reported (--report-api-errors no); "(ours N, torch M)"
@@ -84,7 +85,7 @@ one_unit() {  # plain run (records launched kernels), then the tools in parallel
 
 probe() {  # the mbarrier ring probe: value check, then racecheck per variant
   local v
-  for v in warp thread bar racy named partial; do
+  for v in warp thread bar racy named partial single mbar wgmma cpwarp cpthread; do
     ( timeout -k 5 "$(left)" "$PY" scripts/sanitize_mbarrier_probe.py $v > "$LOG/_probe.$v.plain.log" 2>&1
       timeout -k 5 "$(left)" compute-sanitizer --tool racecheck --report-api-errors no --print-limit 4 \
         "$PY" scripts/sanitize_mbarrier_probe.py $v > "$LOG/_probe.$v.racecheck.log" 2>&1 ) &
@@ -135,7 +136,8 @@ origin_of() {  # "ours torch": displayed error records of one run, by the kernel
 }
 
 bad=0
-printf '\n%-26s | %-26s | %-24s | %-24s | %-24s\n' "file (sanitize subset)" "plain pytest" memcheck racecheck synccheck
+SUM=$LOG/../summary.txt
+printf '%-26s | %-26s | %-24s | %-24s | %-24s\n' "file (sanitize subset)" "plain pytest" memcheck racecheck synccheck > "$SUM"
 for f in "${files[@]}"; do
   n=$(name_of "$f")
   if ls "$LOG/$n".k*.plain.rc > /dev/null 2>&1; then pc=$(cell_pytest "$n" plain); else pc="-"; fi
@@ -151,13 +153,13 @@ for f in "${files[@]}"; do
     org=""; (( ours + torch > 0 )) && org=" (ours $ours, torch $torch)"
     row+=$(printf ' | %-24s' "${e} err${org}${st:+ $st}")
   done
-  echo "$row"
+  echo "$row" >> "$SUM"
 done
-echo "total $(( $(date +%s) - T0 ))s; logs in $LOG"
+echo "total $(( $(date +%s) - T0 ))s; logs in $LOG" >> "$SUM"
 [ "${SANITIZE_PLAIN:-1}" != 0 ] && "$PY" scripts/sanitize_kernels.py report "$LOG" "${files[@]}"
 if [ "${SANITIZE_PROBE:-1}" != 0 ]; then
   echo "mbarrier / named-barrier ring probe (scripts/sanitize_mbarrier_probe.py), racecheck hazards per variant:"
-  for v in warp thread bar racy named partial; do
+  for v in warp thread bar racy named partial single mbar wgmma cpwarp cpthread; do
     echo "  $v: $(grep -ho "ok=[A-Za-z]*" "$LOG/_probe.$v.plain.log" 2>/dev/null | head -1)" \
       "$(grep -hoE "RACECHECK SUMMARY: .*" "$LOG/_probe.$v.racecheck.log" 2>/dev/null | head -1)" \
       "$(grep -hoE "^========= (Error|Warning): Race reported between [A-Za-z]+ access at [^ ]+" "$LOG/_probe.$v.racecheck.log" 2>/dev/null | head -1 | cut -c11-)"
@@ -173,4 +175,5 @@ done
 echo "slowest plain tests:"
 grep -hE "^[0-9.]+s (call|setup) " "$LOG"/*.plain.log 2>/dev/null | sort -rn | head -12 | cut -c1-150 | sed "s/^/  /"
 tail -2 "$LOG/_resources.log" 2>/dev/null
+echo; cat "$SUM"          # the table last (also in $LOG/../summary.txt)
 exit $bad

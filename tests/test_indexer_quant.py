@@ -27,8 +27,31 @@ def test_compile_every_specialization_ptx():
         if "had" in name and "nohad" not in name:
             for pat in M.HADAMARD_PTX:
                 assert re.search(pat, ptx), (name, pat)
-        else:
-            assert "add.rn.f64" not in ptx, name
+        assert not re.search(r"\.f64\b", ptx), name     # the rotation contract is fp32 (dsv4.reference.hadamard)
+
+
+def test_default_provider_by_row_class():
+    """The dsl provider is the default from MIN_ROWS rows of the problem's row class up (below it the cuda
+    provider, measured faster there), and runs at every size when forced."""
+    import kernels_dsl.indexer_quant as M
+    from dsv4 import registry
+    from dsv4.ops.indexer import (
+        CACHE_WRITE_OP,
+        Q_QUANT_OP,
+        CacheWriteProblem,
+        QQuantProblem,
+        row_class,
+    )
+    assert [row_class(n) for n in (0, 1, 2, 3, 128, 129, 262144)] == [0, 1, 2, 4, 128, 256, 262144]
+    for op, mk in ((CACHE_WRITE_OP, lambda r: CacheWriteProblem("mxfp4", True, 64, r, "cuda")),
+                   (Q_QUANT_OP, lambda r: QQuantProblem("mxfp4", True, r, "cuda"))):
+        p = M.PROVIDERS[op.name](op)
+        lo = M.MIN_ROWS[op.name]
+        assert p.supports_problem(mk(max(lo, 1)))
+        if lo > 1:
+            assert not p.supports_problem(mk(lo // 2))
+        with registry.use(**{op.name: "dsl"}):
+            assert p.supports_problem(mk(1))
 
 
 def _gscale(x, fmt):
@@ -74,7 +97,7 @@ def test_gpu_cache_write_bit_exact(cuda_device, dsl_quant, fmt, hadamard, slot_d
     slots = torch.randperm(nb * bs, device=cuda_device)[:N]
     slots[::13] = -1
     slots[5::97] = nb * bs + 3            # out of range: skipped
-    ref = torch.randint(0, 256, (nb, bs, dsl_quant._VB[fmt] + dsl_quant._SB[fmt]), dtype=torch.uint8,
+    ref = torch.randint(0, 256, (nb, bs, sum(FORMATS[fmt])), dtype=torch.uint8,
                         device=cuda_device)
     got = ref.clone()
     cache_write_ref(ref, k, slots, fmt, g, hadamard)
@@ -113,7 +136,7 @@ def test_gpu_prefill_sizes_bit_exact(cuda_device, dsl_quant, fmt):
     bs, nb = 64, 1000
     slots = torch.randperm(nb * bs, device=cuda_device)[:k.shape[0]]
     slots[::29] = -1
-    ref = torch.zeros(nb, bs, dsl_quant._VB[fmt] + dsl_quant._SB[fmt], dtype=torch.uint8, device=cuda_device)
+    ref = torch.zeros(nb, bs, sum(FORMATS[fmt]), dtype=torch.uint8, device=cuda_device)
     got = ref.clone()
     cache_write_ref(ref, k, slots, fmt, g, True)
     with registry.use(indexer_cache_write="dsl", indexer_q_quant="dsl"):

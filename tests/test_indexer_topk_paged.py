@@ -111,7 +111,7 @@ def test_deterministic_and_equal_to_the_two_ops_cpu():
     b = indexer_topk_paged(qd, qs, wo, cache, lens, bt, 100, fmt="fp8", max_ctx=450, map_to_slots=True)
     assert torch.equal(a, b)
     L = indexer_logits_paged(qd, qs, wo, cache, lens, bt, fmt="fp8", max_ctx=450)
-    c = topk(L, lens, 100, block_table=bt, block_size=cache.shape[1], rows_per_seq=1)
+    c = topk(L, lens, 100, block_table=bt, block_size=cache.shape[1], rows_per_seq=1, sorted=True)
     assert torch.equal(a, c)
 
 
@@ -161,7 +161,7 @@ def test_gpu_dsl_topk_paged_is_the_two_ops_and_meets_recall(cuda_device, fmt):
         idx, sc = indexer_topk_paged(qd, qs, wo, cache, lens, bt, 512, fmt=fmt, map_to_slots=True, return_scores=True)
         L = indexer_logits_paged(qd, qs, wo, cache, lens, bt, fmt=fmt)
     i2, s2 = topk(L, lens[:, None].repeat(1, 2).reshape(-1), 512, block_table=bt, block_size=64, rows_per_seq=2,
-                  return_scores=True)
+                  return_scores=True, sorted=True)
     assert torch.equal(idx, i2) and torch.equal(sc, s2)
     lens2 = lens[:, None].repeat(1, 2)
     ref = _ref_logits(qd, qs, wo, cache, lens2, bt, max_ctx, fmt)
@@ -265,11 +265,15 @@ def _fused_problem(fmt, nn, bs, max_ctx, k, mapped):
     ("fp8", 2, 512, True, (3000, 10, 1600)),
     ("mxfp4", 1, 64, False, (300, 40)),
 ])
-def test_gpu_fused_is_bitwise_the_composed_path(cuda_device, fmt, nn, k, mapped, ctx):
+@pytest.mark.parametrize("srt", [True, False])
+def test_gpu_fused_is_bitwise_the_composed_path(cuda_device, fmt, nn, k, mapped, ctx, srt, monkeypatch):
     """Fused (histogram epilogue + select kernel) == composed (logits kernel + topk op), bitwise, for
-    several splits and block sizes of the select kernel; the epilogue's histogram == the torch bucket
-    histogram of the same logits; the logits of the histogram variant == the plain kernel's."""
+    several splits and block sizes of the select kernel, in both orders (score-sorted; ascending
+    position, the topk op's default); the epilogue's histogram == the torch bucket histogram of the
+    same logits; the logits of the histogram variant == the plain kernel's."""
     import kernels_cuda.topk as KT
+    import kernels_dsl.indexer as KI
+    monkeypatch.setattr(KI, "TOPK_PAGED_SORTED", srt)
     from dsv4.ops.indexer import PAGED_OP, TOPK_PAGED_OP
     from dsv4.reference.indexer import normalize_context_lens
     from kernels_dsl.indexer import DslPagedLogits, DslTopkPagedFused
@@ -299,6 +303,11 @@ def test_gpu_fused_is_bitwise_the_composed_path(cuda_device, fmt, nn, k, mapped,
     for ex in ({"splits": 1}, {"splits": 3, "threads": 1024}, {"splits": 16}):
         fi, fs = prov.run(prob, fused=True, **kw, **ex)
         assert torch.equal(fi, ci) and torch.equal(fs, cs), ex
+    if not srt:   # ascending position == the reference's unsorted order on the same logits
+        from dsv4.reference.topk import topk_ref
+        want = topk_ref(L, lens.reshape(-1), k, None, bt if mapped else None, cache.shape[1] if mapped else 0, nn,
+                        sorted=False, num_blocks=cache.shape[0] if mapped else None)
+        assert torch.equal(fi, want[0]) and torch.equal(fs, want[1])
 
 
 @pytest.mark.gpu
@@ -345,7 +354,7 @@ def test_gpu_public_op_fused_path_graph_and_recall(cuda_device):
     with use(indexer_topk_paged="dsl", indexer_logits_paged="dsl"):
         idx, sc = indexer_topk_paged(qd, qs, w, cache, lens, bt, 512, map_to_slots=True, return_scores=True)
         L = indexer_logits_paged(qd, qs, w, cache, lens, bt)
-        i2, s2 = topk(L, lens, 512, block_table=bt, block_size=bs, rows_per_seq=1, return_scores=True)
+        i2, s2 = topk(L, lens, 512, block_table=bt, block_size=bs, rows_per_seq=1, return_scores=True, sorted=True)
         assert torch.equal(idx, i2) and torch.equal(sc, s2)
         gr = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gr):

@@ -46,3 +46,4 @@ def test_launch_configs_are_built_once_per_shape(monkeypatch):
     c2 = nvrtc._config([2, 2], (128, 1), 1024, [2, 1])   # lists are keyed as tuples
     assert nvrtc._config((2, 2), [128, 1], 1024, (2, 1)) is c2 and c2 is not c1
     assert built[1] == {"grid": [2, 2], "block": (128, 1), "shmem_size": 1024, "cluster": [2, 1]}
+

@@ -42,16 +42,16 @@ OPS = ("quantize_nvfp4", "quantize_mxfp4", "quantize_fp8_block", "dequantize_fp8
 
 # ============================================================================== numpy emulation
 def emu_e2m1(y: np.ndarray) -> np.ndarray:
-    """The kernels' E2M1 encode (magic add, kernels_dsl/sm90/fp4.py e2m1_mag_t) per element, with the
-    NaN code, in numpy fp32 (uint32 wraps like the GPU)."""
+    """The kernels' E2M1 encode (one magic add, kernels_dsl/_quantize_ptx.py e2m1_rn_bits: the low byte of
+    bits(a + M_E) is the level index) per element, with the NaN code, in numpy fp32 (uint32 wraps like the GPU)."""
     y = y.astype(f32)
     with np.errstate(invalid="ignore"):
         a = np.fmin(np.abs(y), f32(6))                    # fminf: NaN -> 6 (overridden below)
     u = a.view(np.uint32)
-    eb = np.maximum(u >> np.uint32(23), np.uint32(127))
-    mb = (eb + np.uint32(22)) << np.uint32(23)
+    e = np.maximum(u >> np.uint32(23), np.uint32(127))
+    mb = e * np.uint32(0x800002) + np.uint32((0x4A800000 - 127 * 0x800002) & 0xFFFFFFFF)
     s = (a + mb.view(f32)).astype(f32)
-    idx = s.view(np.uint32) - mb + np.uint32(2) * eb - np.uint32(254)
+    idx = s.view(np.uint32) & np.uint32(0xFF)
     code = idx | ((y.view(np.uint32) >> np.uint32(28)) & np.uint32(8))
     return np.where(np.isnan(y), F.E2M1_NAN_CODE, code).astype(np.uint8)
 
@@ -169,18 +169,19 @@ def test_emulated_e2m1_encode_fp32_dense_and_ties():
 
 
 def emu_e2m1x8_fast(y: np.ndarray) -> np.ndarray:
-    """The packed E2M1 encoder (kernels_dsl/sm90/fp4.py e2m1x8_encode: IMAD/LEA accumulation with a constant correction) on
-    y [..., 8] (already multiplied by enc, no NaN) -> packed uint32 words."""
+    """The packed E2M1 encoder (kernels_dsl/_quantize_ptx.py e2m1x8_encode_rn: per element bits(a + M_E), pairs
+    packed by (s_2i+1 << 4) + s_2i, the four low bytes gathered by prmt) on y [..., 8] (already multiplied by
+    enc, no NaN) -> packed uint32 words."""
     y = y.astype(f32)
     a = np.fmin(np.abs(y), f32(6))
-    eb = np.maximum(a.view(np.uint32) >> np.uint32(23), np.uint32(127))
-    s = (a + ((eb + np.uint32(22)) << np.uint32(23)).view(f32)).astype(f32)
-    t = s.view(np.uint32) + eb * np.uint32((2 - (1 << 23)) & 0xFFFFFFFF)
+    e = np.maximum(a.view(np.uint32) >> np.uint32(23), np.uint32(127))
+    mb = e * np.uint32(0x800002) + np.uint32((0x4A800000 - 127 * 0x800002) & 0xFFFFFFFF)
+    s = (a + mb.view(f32)).astype(f32).view(np.uint32)
+    p = ((s[..., 1::2] << np.uint32(4)) + s[..., 0::2]) & np.uint32(0xFF)      # the low byte of each pair sum
+    mag = p[..., 0] | (p[..., 1] << np.uint32(8)) | (p[..., 2] << np.uint32(16)) | (p[..., 3] << np.uint32(24))
     sh = np.arange(8, dtype=np.uint32) * np.uint32(4)
-    acc = (t << sh).sum(axis=-1, dtype=np.uint64).astype(np.uint64) & 0xFFFFFFFF
     sgn = ((y.view(np.uint32) >> np.uint32(31)) << (sh + np.uint32(3))).sum(axis=-1, dtype=np.uint64)
-    C = ((22 << 23) + 254) * 0x11111111 & 0xFFFFFFFF
-    return (((acc - C) & 0xFFFFFFFF) | sgn).astype(np.uint32)
+    return (mag | sgn).astype(np.uint32)
 
 
 def test_emulated_packed_fast_encoder_matches_per_element():
@@ -249,6 +250,57 @@ def test_emulated_swizzled_stores_cover_the_layout_exactly_once(M, Ksf):
         mm = i // padc
         np.add.at(hits, _swz_off(mm, Ksf + (i - mm * padc), Kt), 1)
     assert (hits == 1).all(), (np.unique(hits, return_counts=True))
+
+
+def _quad_tiles(M, K, qj, warps, gdim, reverse):
+    """kernels_dsl/quantize_fp4.py row-quad tiles (``Fp4QuantizeKernel._quad`` / ``_pos`` and the cell stores),
+    emulated: {chunk: times loaded + stored}, {swizzled scale byte: (times written, row, k)}."""
+    tile = 32 * qj
+    Ksf = K // 16
+    Kt = -(-Ksf // 4)
+    Mpad = 128 * -(-M // 128)
+    cpr = 2 * Ksf
+    nseg = -(-cpr // tile)
+    Qn = (Mpad >> 2) * nseg
+    nq = warps // 4
+    groups = -(-Qn // nq)
+    chunks: dict = {}
+    cells: dict = {}
+    for b in range(gdim):
+        for i in range(max(0, -(-(groups - b) // gdim))):
+            for w in range(warps):
+                wr = w % 4
+                Qf = (b * nq + w // 4) + i * gdim * nq
+                Q = Qn - 1 - Qf if reverse else Qf
+                quad, seg = divmod(Q, nseg)
+                ngq = min(cpr - seg * tile, tile) // 8
+                row = (quad >> 5) * 128 + (quad & 31) + 32 * wr
+                rem = ngq * 8 if (row < M and Qf < Qn) else 0
+                for c in range(row * cpr + seg * tile, row * cpr + seg * tile + rem):
+                    chunks[c] = chunks.get(c, 0) + 1
+                if wr == 0 and Qf < Qn:
+                    for lane in range(ngq):
+                        base = ((quad >> 5) * Kt + seg * (tile // 8) + lane) * 512 + (quad & 31) * 16
+                        for w2 in range(4):                  # word w2 of the cell: warp 4 (w // 4) + w2's row
+                            for q in range(4):
+                                n, _, _ = cells.get(base + 4 * w2 + q, (0, 0, 0))
+                                cells[base + 4 * w2 + q] = (n + 1, row + 32 * w2, 4 * (seg * (tile // 8) + lane) + q)
+    return chunks, cells, (Mpad // 128) * Kt * 512
+
+
+@pytest.mark.parametrize("M,K", [(1, 64), (16, 7168), (127, 448), (129, 1024), (300, 7168)])
+@pytest.mark.parametrize("qj,warps", [(8, 4), (4, 8), (1, 4)])
+def test_emulated_quad_tiles_cover_data_and_swizzled_layout_once(M, K, qj, warps):
+    """Row-quad tiles: every chunk of x is loaded and its code stored by exactly one warp tile, every byte of
+    the 128x4 swizzled scale tensor (padding rows included) is written exactly once, with the scale of the
+    (row, k) that dsv4.formats.swizzled_sf_offset puts there -- for several grids, forward and reversed."""
+    for gdim, reverse in ((1, 0), (3, 1), (7, 0), (64, 1)):
+        chunks, cells, total = _quad_tiles(M, K, qj, warps, gdim, reverse)
+        assert sorted(chunks) == list(range(M * K // 8)) and set(chunks.values()) == {1}
+        assert sorted(cells) == list(range(total)) and {n for n, _, _ in cells.values()} == {1}
+        Kt = -(-(K // 16) // 4)
+        for off, (_, m, k) in cells.items():
+            assert _swz_off(m, k, Kt) == off
 
 
 def test_emulated_markstein_division_is_correctly_rounded():
@@ -485,24 +537,9 @@ def _tuning(kind: str) -> dict:
 
 
 def _dsl_override(over: dict) -> dict:
-    """DSL ``OVERRIDE`` for launch choices given as flat keys: kernel-config fields go to every family
-    that has them (``dq_*``: the dequantizer), ``path`` / ``reverse`` to the NVFP4 device-amax launch."""
-    import dataclasses
-
-    from kernels_dsl.quantize_fp4 import Fp4Config
-    from kernels_dsl.quantize_fp8 import Fp8Config, Fp8DqConfig
-    out: dict = {}
-    for fam, cls in (("fp4", Fp4Config), ("fp8", Fp8Config), ("dequant", Fp8DqConfig)):
-        names = {f.name for f in dataclasses.fields(cls)} | {"ctas_per_sm"}
-        src = {k[3:]: v for k, v in over.items() if k.startswith("dq_")} if fam == "dequant" else over
-        d = {k: v for k, v in src.items() if k in names}
-        if d:
-            out[fam] = d
-    if "path" in over:
-        out["nvfp4_path"] = over["path"]
-    if "reverse" in over:
-        out["reverse"] = bool(over["reverse"])
-    return out
+    """DSL ``OVERRIDE`` for launch choices given as flat keys (``kernels_dsl.quantize.flat_override``)."""
+    from kernels_dsl.quantize import flat_override
+    return flat_override(over)
 
 
 class _tuned:

@@ -1,6 +1,7 @@
 """Registry logic: lazy providers, Support reasons, selection order, overrides, records."""
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Optional
 
@@ -303,6 +304,119 @@ def test_custom_op_defines_a_lean_torch_library_op():
                       fullgraph=True)
     acc2 = torch.zeros(3)
     assert torch.equal(f(acc2, x), x * 2 + 1) and torch.equal(acc2, x * 2)
+
+
+_DIRECT_CALLS: list[str] = []
+
+
+@registry.custom_op("dsv4test::twice", mutates_args=())
+def _twice(x: torch.Tensor, w: Optional[torch.Tensor], k: int) -> torch.Tensor:
+    _DIRECT_CALLS.append("kernel")
+    return x * (2 * k) if w is None else x * w
+
+
+@_twice.register_fake
+def _(x, w, k):
+    _DIRECT_CALLS.append("fake")
+    return torch.empty_like(x)
+
+
+def _count_dispatcher(monkeypatch, handle) -> list:
+    seen = []
+    packet = handle._packet
+
+    def counting(*a, **k):
+        seen.append(1)
+        return packet(*a, **k)
+    monkeypatch.setattr(handle, "_packet", counting)
+    return seen
+
+
+def test_custom_op_eager_call_skips_the_dispatcher_and_matches_it(monkeypatch):
+    """Issue 17: in plain eager mode the handle calls the kernel directly (no dispatcher round
+    trip); the result is the dispatcher's; ``EAGER_DIRECT = False`` restores the dispatcher call."""
+    seen = _count_dispatcher(monkeypatch, _twice)
+    x = torch.arange(4.0)
+    _DIRECT_CALLS.clear()
+    assert torch.equal(_twice(x, None, 3), torch.ops.dsv4test.twice(x, None, 3)) and not seen
+    assert _DIRECT_CALLS == ["kernel", "kernel"]
+    w = torch.nn.Parameter(torch.ones(4))                          # a Parameter is a plain tensor here
+    assert torch.equal(_twice(x, w, 1), x) and not seen
+    monkeypatch.setattr(registry, "EAGER_DIRECT", False)
+    assert torch.equal(_twice(x, None, 3), x * 6) and len(seen) == 1
+    monkeypatch.setattr(registry, "EAGER_DIRECT", True)
+    assert torch.equal(_twice(x, None, k=3), x * 6) and len(seen) == 2     # kwargs: the dispatcher
+
+
+def test_custom_op_goes_through_the_dispatcher_when_tracing_or_transforming(monkeypatch):
+    """FakeTensorMode, a FakeTensor outside its mode, meta tensors, make_fx, torch.compile, vmap and
+    the profiler all see the op itself (fake kernel / graph node / profiler event)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    seen = _count_dispatcher(monkeypatch, _twice)
+    x = torch.arange(4.0)
+    _DIRECT_CALLS.clear()
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        assert _twice(fx, None, 2).shape == (4,)
+    assert _twice(fx, None, 2).shape == (4,)                       # a FakeTensor after its mode ended
+    assert _twice(x.to("meta"), None, 2).device.type == "meta"
+    assert _DIRECT_CALLS == ["fake"] * 3 and len(seen) == 3
+    g = make_fx(lambda a: _twice(a, None, 2) + 1)(x)
+    assert any("dsv4test.twice" in str(n.target) for n in g.graph.nodes)
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes)
+        return gm
+    f = torch.compile(lambda a: _twice(a, None, 2) + 1, backend=backend, fullgraph=True)
+    assert torch.equal(f(x), x * 4 + 1) and any("dsv4test.twice" in t for t in targets)
+    n = len(seen)
+    with torch.profiler.profile() as prof:
+        _twice(x, None, 1)
+    assert len(seen) == n + 1 and any("dsv4test::twice" in e.name for e in prof.events())
+    with torch.device("cpu"):                                      # a torch function mode
+        _twice(x, None, 1)
+    assert len(seen) == n + 2
+    with contextlib.suppress(Exception):     # no batching rule: the dispatcher says so; what matters is who ran
+        torch.vmap(lambda a: _twice(a, None, 1))(x.reshape(2, 2))
+    assert len(seen) == n + 3
+
+
+def test_public_op_eager_direct_equals_the_dispatcher_path(monkeypatch):
+    from dsv4.ops import dequant_fp4
+    data = torch.randint(0, 256, (4, 64), dtype=torch.uint8)
+    scale = torch.randint(110, 130, (4, 4), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    direct = dequant_fp4(data, scale, out_dtype=torch.float32)
+    monkeypatch.setattr(registry, "EAGER_DIRECT", False)
+    assert torch.equal(direct, dequant_fp4(data, scale, out_dtype=torch.float32))
+
+
+def test_use_overrides_are_per_thread():
+    import threading
+    _make("t_thr", {"dsl": lambda p, t: Support.yes("d"), "torch": lambda p, t: Support.yes("t")})
+    seen = {}
+
+    def other():
+        seen["other"] = registry._forced_kind("t_thr")
+    with registry.use(t_thr="torch"):
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+        seen["here"] = registry._forced_kind("t_thr")
+    assert seen == {"other": None, "here": "torch"} and registry._forced_kind("t_thr") is None
+
+
+def test_selection_cache_is_per_target_object_and_bounded():
+    op = _make("t_tgt", {"torch": lambda p, t: Support.yes("any")})
+    a = Target("cuda", "sm_90a", "NVIDIA H200", 132, 0)
+    b = Target("cuda", "sm_90a", "NVIDIA H200", 132, 0)            # equal, another object
+    _, ca = op.select({"K": 1}, a)
+    assert op.select({"K": 1}, a)[1] is ca and op.select({"K": 1}, b)[1] is not ca
+    assert op.select({"K": 1}, b)[1].target is b
+    for _ in range(100):                                           # Targets built per call do not pile up
+        op.select({"K": 1}, Target("cuda", "sm_90a", "NVIDIA H200", 132, 0))
+    assert len(op._by_target) <= 64
 
 
 def test_every_op_problem_is_a_frozen_dataclass():

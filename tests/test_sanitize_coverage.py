@@ -89,7 +89,8 @@ def test_mbarrier_probe_compiles_with_the_shared_helpers():
     from kernels_cuda import nvrtc
     opts = ["--gpu-architecture=sm_90a", "-std=c++17", "--device-as-default-execution-space", f"-I{nvrtc.KERNEL_DIR}"]
     ptx = nvrtc._nvrtc_compile(probe.SRC, "mbar_probe.cu", opts, "ptx").decode()
-    for v in range(6):
+    assert sorted(probe.VARIANTS.values()) == list(range(11))
+    for v in probe.VARIANTS.values():
         assert f".entry mbar_probe_{v}(" in ptx
     # the moe_decode protocol: the same inline-PTX mbarrier ops (common.cuh), a warp sync before lane 0 arrives
     for op in ("mbarrier.init.shared::cta.b64", "mbarrier.arrive.shared::cta.b64",
@@ -97,6 +98,9 @@ def test_mbarrier_probe_compiles_with_the_shared_helpers():
                "bar.arrive 1, 160", "bar.sync 2, 160", "bar.arrive 1, 128", "bar.sync 3, 128"):
         assert op in ptx, op
     assert probe.expected(2).shape == (256,) and not probe.expected(1, "partial")[:64].any()
+    # single / mbar (sparse attention's single sScale buffer): warps 2-3 read the 64 words, g * 100 + index
+    assert not probe.expected(1, "single")[:64].any() and probe.expected(1, "mbar")[:64].all()
+    assert int(probe.expected(1, "single")[64]) == sum(2 * g * 100 + 0 + 7 for g in range(probe.ROUNDS))
 
 
 def test_sanitize_script_runs_the_three_tools_the_plugin_and_the_probe():
@@ -104,6 +108,22 @@ def test_sanitize_script_runs_the_three_tools_the_plugin_and_the_probe():
     assert '-m "gpu and sanitize"' in s and "-p sanitize_kernels" in s
     assert all(t in s for t in ("memcheck", "racecheck", "synccheck", "--report-api-errors no"))
     assert "sanitize_mbarrier_probe.py" in s and "sanitize_kernels.py report" in s
+    probe = _mod("sanitize_mbarrier_probe")
+    for line in s.splitlines():                     # every probe variant runs and is reported
+        if line.strip().startswith("for v in "):
+            assert sorted(line.split("for v in ")[1].split(";")[0].split()) == sorted(probe.VARIANTS), line
+
+
+def test_sanitize_script_writes_the_table_to_summary_txt_and_prints_it_last():
+    """The count table goes to $LOG/../summary.txt and is the last output (a transfer that keeps only the
+    tail of the log lost it when the coverage / probe / record sections came after it)."""
+    s = (ROOT / "scripts" / "gpu_sanitize.sh").read_text()
+    assert 'SUM=$LOG/../summary.txt' in s
+    code = [ln.strip() for ln in s.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert code[-1] == "exit $bad" and code[-2].startswith("echo; cat \"$SUM\""), code[-3:]
+    head = s.index('"file (sanitize subset)"')
+    assert s[head - 200:head + 200].count('> "$SUM"') == 1          # the header starts the file
+    assert s.count('>> "$SUM"') == 2                               # the rows and the total line
 
 
 def test_plugin_records_dsl_cache_keys_of_both_forms(tmp_path, monkeypatch):

@@ -19,7 +19,8 @@ NEG_INF = float("-inf")
 
 # ---------------------------------------------------------------------------------------------
 # independent oracle: plain Python, explicit (-score, index) key over the selectable entries
-def oracle(logits, lengths, k, starts=None, block_table=None, block_size=0, rows_per_seq=1, num_blocks=None):
+def oracle(logits, lengths, k, starts=None, block_table=None, block_size=0, rows_per_seq=1, num_blocks=None,
+           sorted=True):
     x = logits.tolist()
     rows, n = logits.shape
     out_i, out_s = [], []
@@ -29,6 +30,8 @@ def oracle(logits, lengths, k, starts=None, block_table=None, block_size=0, rows
         cand = [(p, x[r][p]) for p in range(lo, hi) if not math.isnan(x[r][p]) and x[r][p] != NEG_INF]
         cand.sort(key=lambda t: (-t[1], t[0]))
         sel = cand[:k]
+        if not sorted:                                       # the op's default: ascending position
+            sel.sort(key=lambda t: t[0])
         idx = [p for p, _ in sel] + [-1] * (k - len(sel))
         sc = [v for _, v in sel] + [NEG_INF] * (k - len(sel))
         if block_table is not None:
@@ -91,6 +94,7 @@ def special_cases(gen: torch.Generator):
 def test_reference_matches_oracle_cases(i):
     name, x, L, S, k = special_cases(torch.Generator().manual_seed(0))[i]
     assert_same(topk_ref(x, L, k, S), oracle(x, L, k, S))
+    assert_same(topk_ref(x, L, k, S, sorted=False), oracle(x, L, k, S, sorted=False))
 
 
 def test_reference_block_table():
@@ -101,6 +105,9 @@ def test_reference_block_table():
     L = torch.tensor([200, 150, 33, 40, 0, 7], dtype=torch.int32)
     bt = torch.randperm(64, generator=g)[: B * 13].reshape(B, 13).int()
     assert_same(topk_ref(x, L, 50, None, bt, bs, nn), oracle(x, L, 50, None, bt, bs, nn))
+    # unsorted: ascending LOGICAL position (the order before the mapping)
+    assert_same(topk_ref(x, L, 50, None, bt, bs, nn, sorted=False),
+                oracle(x, L, 50, None, bt, bs, nn, sorted=False))
 
 
 def test_block_table_entries_outside_the_cache_map_to_minus_one():
@@ -113,7 +120,7 @@ def test_block_table_entries_outside_the_cache_map_to_minus_one():
     bt = torch.tensor([[0, 99999, 5, -7], [39, 40, 2 ** 30, 1]], dtype=torch.int32)
     for nbk in (None, nb):
         i, s = topk(x, L, 256, block_table=bt, block_size=bs, num_blocks=nbk, return_scores=True)
-        assert_same((i, s), oracle(x, L, 256, None, bt, bs, 1, nbk))
+        assert_same((i, s), oracle(x, L, 256, None, bt, bs, 1, nbk, sorted=False))
         pos = topk(x, L, 256)                                   # unmapped positions, same order
         blk = pos.long() // bs
         e = bt.long().gather(1, blk)
@@ -139,8 +146,10 @@ def test_validation_sorted_and_num_blocks():
     bt = torch.zeros(4, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="'num_blocks'"):
         topk(x, L, 8, block_table=bt, block_size=16, num_blocks=-1)
-    i = topk(x, L, 8, sorted=False)                              # CPU: the reference order is one valid order
-    assert torch.equal(i, topk(x, L, 8))
+    i, s = topk(x, L, 8, sorted=False, return_scores=True)       # the default: ascending position
+    assert torch.equal(i, topk(x, L, 8)) and bool((i[:, 1:] > i[:, :-1]).all())
+    assert_same(topk(x, L, 8, sorted=True, return_scores=True), oracle(x, L, 8))
+    assert_same((i, s), oracle(x, L, 8, sorted=False))
 
 
 def test_public_op_cpu_dispatches_reference():
@@ -148,8 +157,9 @@ def test_public_op_cpu_dispatches_reference():
     x = torch.randn(4, 1000, generator=g)
     L = torch.tensor([1000, 999, 10, 0], dtype=torch.int32)
     i, s = topk(x, L, 64, return_scores=True)
-    assert_same((i, s), oracle(x, L, 64))
+    assert_same((i, s), oracle(x, L, 64, sorted=False))
     assert torch.equal(topk(x, L, 64), i)
+    assert_same(topk(x, L, 64, return_scores=True, sorted=True), oracle(x, L, 64))
 
 
 @st.composite
@@ -179,6 +189,7 @@ def problems(draw):
 def test_reference_hypothesis(p):
     x, L, S, k = p
     assert_same(topk_ref(x, L, k, S), oracle(x, L, k, S))
+    assert_same(topk_ref(x, L, k, S, sorted=False), oracle(x, L, k, S, sorted=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,7 +238,7 @@ def test_validation_arguments():
         topk(x, L, 8, return_scores=1)
     # valid strided view (row stride > stride) is accepted
     big = torch.randn(4, 100)
-    assert_same(topk(big[:, :64], L, 8, return_scores=True), oracle(big[:, :64], L, 8))
+    assert_same(topk(big[:, :64], L, 8, return_scores=True), oracle(big[:, :64], L, 8, sorted=False))
 
 
 def test_fake_tensor_shapes():
@@ -305,8 +316,8 @@ def test_problem_is_a_frozen_dataclass():
     from dsv4.ops.topk import OP, TopkProblem
     from dsv4.target import Target
     p = OP.example_problem(Target.of(torch.device("cpu")))
-    assert isinstance(p, TopkProblem) and p == TopkProblem(512, False, False, True, "cpu") and hash(p) == hash(
-        TopkProblem(512, False, False, True, "cpu"))
+    assert isinstance(p, TopkProblem) and p == TopkProblem(512, False, False, False, "cpu") and hash(p) == hash(
+        TopkProblem(512, False, False, False, "cpu"))
     with pytest.raises(Exception):
         p.k = 3
 
@@ -319,7 +330,9 @@ CONFIGS = [(1, 512, True), (2, 1024, False), (8, 1024, True), (4, 512, True), (4
 
 
 def _cuda(x, L, k, S=None, bt=None, bs=0, rps=1, cfg=None, **kw):
+    """topk_cuda, sorted=True unless told (sorted=False: the op's default order, ascending position)."""
     from kernels_cuda.topk import TopkConfig, fits_resident, topk_cuda
+    kw.setdefault("sorted", True)
     if cfg is not None:
         c, t, r = cfg
         kw["config"] = TopkConfig(c, t, r and fits_resident(x.shape[1], c, t))
@@ -328,11 +341,9 @@ def _cuda(x, L, k, S=None, bt=None, bs=0, rps=1, cfg=None, **kw):
     return out
 
 
-def same_set(got, want):
-    """sorted=False: per row the same (index, score bits) pairs as the sorted reference, any order."""
-    def key(i, s):
-        return torch.sort((i.long() << 32) | (s.view(torch.int32).long() & 0xFFFFFFFF), dim=1).values
-    assert torch.equal(key(*got).cpu(), key(*want).cpu())
+def ref_u(*a, **kw):
+    """The reference in the op's default order (sorted=False: ascending position, padding last)."""
+    return topk_ref(*a, sorted=False, **kw)
 
 
 def _gpu_cases():
@@ -347,7 +358,7 @@ def test_gpu_special_cases(cfg):
     for name, x, L, S, k in _gpu_cases():
         want = topk_ref(x, L, k, S)
         assert_same(_cuda(x, L, k, S, cfg=cfg), want)
-        same_set(_cuda(x, L, k, S, cfg=cfg, sorted=False), want)
+        assert_same(_cuda(x, L, k, S, cfg=cfg, sorted=False), ref_u(x, L, k, S))
 
 
 def _realistic(rows, n, seed, kind="randn"):
@@ -382,7 +393,7 @@ def test_gpu_benchmark_sizes(rows, n, k, kind):
     want = topk_ref(x, L, k)
     got = _cuda(x, L, k)
     assert_same(got, want)
-    same_set(_cuda(x, L, k, sorted=False), want)
+    assert_same(_cuda(x, L, k, sorted=False), ref_u(x, L, k))
     if kind in ("randn", "ties"):
         ref_vals = torch.topk(torch.where(torch.arange(n, device="cuda")[None] < L[:, None].long(), x,
                                           torch.tensor(float("-inf"), device="cuda")), k, dim=1).values
@@ -397,12 +408,13 @@ def test_gpu_determinism_runs_and_configs():
     base = _cuda(x, L, 512)
     assert_same(base, topk_ref(x, L, 512))
     un = _cuda(x, L, 512, sorted=False)
-    for _ in range(10):
+    assert_same(un, ref_u(x, L, 512))
+    for _ in range(10):                                  # set AND order stable run to run, both modes
         assert_same(_cuda(x, L, 512), base)
-        same_set(_cuda(x, L, 512, sorted=False), un)
-    for cfg in CONFIGS:
+        assert_same(_cuda(x, L, 512, sorted=False), un)
+    for cfg in CONFIGS:                                  # ... and across launch configurations
         assert_same(_cuda(x, L, 512, cfg=cfg), base)
-        same_set(_cuda(x, L, 512, cfg=cfg, sorted=False), base)
+        assert_same(_cuda(x, L, 512, cfg=cfg, sorted=False), un)
     # scalar-load path on a misaligned view (row stride 65537, offset 1 element)
     buf = torch.empty(64, 65537 + 3, device="cuda")
     v = buf[:, 1:65537]
@@ -415,6 +427,7 @@ def test_gpu_determinism_runs_and_configs():
     want = topk_ref(xc, Lc, 1024)
     for cfg in CONFIGS:
         assert_same(_cuda(xc, Lc, 1024, cfg=cfg), want)
+        assert_same(_cuda(xc, Lc, 1024, cfg=cfg, sorted=False), ref_u(xc, Lc, 1024))
 
 
 @pytest.mark.gpu
@@ -435,21 +448,22 @@ def test_gpu_prefill_and_block_table(cfg):
         for nbk in (None, 4 * mb):
             want = topk_ref(x, L, k, S, bt, bs, nn, num_blocks=nbk)
             assert_same(_cuda(x, L, k, S, bt, bs, nn, cfg=cfg, num_blocks=nbk), want)
-            same_set(_cuda(x, L, k, S, bt, bs, nn, cfg=cfg, num_blocks=nbk, sorted=False), want)
+            assert_same(_cuda(x, L, k, S, bt, bs, nn, cfg=cfg, num_blocks=nbk, sorted=False),
+                        ref_u(x, L, k, S, bt, bs, nn, num_blocks=nbk))
         assert_same(_cuda(x, L, k, None, bt, bs, nn, cfg=cfg), topk_ref(x, L, k, None, bt, bs, nn))
     # public op dispatches the cuda provider
     from dsv4 import registry
     with registry.use(topk="cuda"):
         i, s = topk(x, L, 512, starts=S, block_table=bt, block_size=bs, rows_per_seq=nn, return_scores=True,
-                    num_blocks=4 * mb)
+                    num_blocks=4 * mb, sorted=True)
         iu, su = topk(x, L, 512, starts=S, block_table=bt, block_size=bs, rows_per_seq=nn, return_scores=True,
-                      num_blocks=4 * mb, sorted=False)
+                      num_blocks=4 * mb)
     from kernels_cuda.topk import launch_config
     ch = registry.last_choice("topk")                       # the launch configuration of the last call
     assert ch.kind == "cuda" and ch.config == launch_config(x) and f"config: {ch.config.explain()}" in ch.explain()
     want = topk_ref(x, L, 512, S, bt, bs, nn, num_blocks=4 * mb)
     assert_same((i, s), want)
-    same_set((iu, su), want)
+    assert_same((iu, su), ref_u(x, L, 512, S, bt, bs, nn, num_blocks=4 * mb))
     assert bool((i == -1).any())
 
 
@@ -460,17 +474,16 @@ def test_gpu_cuda_graph():
     L = torch.full((64,), 65536, dtype=torch.int32, device="cuda")
     with registry.use(topk="cuda"):
         topk(x, L, 512)  # compile + smem attribute outside capture
-        topk(x, L, 512, sorted=False)
+        topk(x, L, 512, sorted=True)
         torch.cuda.synchronize()
         gr = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gr):
-            i, s = topk(x, L, 512, return_scores=True)
-            iu, su = topk(x, L, 512, return_scores=True, sorted=False)
+            i, s = topk(x, L, 512, return_scores=True, sorted=True)
+            iu, su = topk(x, L, 512, return_scores=True)
     for seed in range(3):
         x.copy_(_realistic(64, 65536, 100 + seed, "indexer"))
         L.copy_(torch.randint(0, 65537, (64,), device="cuda").int())
         gr.replay()
         torch.cuda.synchronize()
-        want = topk_ref(x, L, 512)
-        assert_same((i, s), want)
-        same_set((iu, su), want)
+        assert_same((i, s), topk_ref(x, L, 512))
+        assert_same((iu, su), ref_u(x, L, 512))

@@ -241,7 +241,7 @@ def attn_lists(positions: torch.Tensor, req_idx: torch.Tensor, swa_block_table: 
     width = 0 if kind == "swa" else (syms["K"] if kind == "csa" else max_entries)
     if T * max(window, width) >= 2 ** 31:
         raise ValueError(f"attn_lists: T * max(window, K) = {T} * {max(window, width)} must be < 2^31 (int32 offsets)")
-    ws, wl, cs, cl = torch.ops.dsv4.attn_lists(
+    ws, wl, cs, cl = _attn_lists_op(
         positions, req_idx, swa_block_table, swa_block_size, window, 0 if ring is None else ring, first_t,
         0 if first_t is not None else int(first), -1 if swa_num_blocks is None else swa_num_blocks, kind,
         block_table, 1 if block_size is None else block_size, entries, lens,

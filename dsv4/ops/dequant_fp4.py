@@ -133,7 +133,7 @@ def dequant_fp4(data: torch.Tensor, scale: torch.Tensor, *, fmt: str = "mxfp4",
         if g == g and not (0.0 < g < float("inf")):
             raise ValueError(f"dequant_fp4: argument 'global_scale' must be finite and > 0 (or NaN, the encoding of a "
                              f"non-finite tensor), got {g}")
-    return torch.ops.dsv4.dequant_fp4(data, scale, global_scale, fmt, out_dtype)
+    return _dequant_fp4_op(data, scale, global_scale, fmt, out_dtype)
 
 
 __all__ = ["dequant_fp4"]

@@ -27,10 +27,11 @@ values of token j at ``b*4352 + j*64``, its 4 UE8M0 at ``b*4352 + 4096 + j*4``.
 
 Optional Hadamard (``hadamard=True``): ``x -> bf16((H_128 x) * 128^-0.5)`` (Sylvester order; the
 official ``rotate_activation`` takes and returns bf16, so the rotated vector is rounded to bf16, then
-quantized; this project defines the rounding as ONE correct rounding of the exact rotation
-(``dsv4.reference.hadamard``), which can differ from an fp32-accumulating implementation such as
-``fast_hadamard_transform`` by one bf16 ulp in rare inputs with a wide exponent spread), for q and K
-alike (q.K is invariant under a shared orthogonal rotation).
+quantized), for q and K alike (q.K is invariant under a shared orthogonal rotation). Precision
+contract of the rotation (``dsv4.reference.hadamard``, every provider bit for bit): fp32 butterflies
+in a fixed stage order (index bit 0 first, the official ``fast_hadamard_transform`` arithmetic), one
+fp32 multiply by fp32(128^-0.5), one RNE to bf16; vs the exact rotation y*:
+``|y - y*| <= 2^-8 |y*| + 2^-20 ||x||_1 128^-0.5`` (tested).
 
 Precision contract of the logits ops (every provider; doctrine 5), against fp64 on the SAME
 quantized values (the torch reference on the dequantized bytes):
@@ -57,14 +58,17 @@ bf16 inputs), not bit-exactness. Measured errors and recalls per format: docs/be
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
+from ..reference.indexer import normalize_context_lens
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
+from .topk import K_MAX
 
 __all__ = ["indexer_cache_write", "indexer_q_quant", "indexer_logits", "indexer_logits_paged",
            "indexer_topk", "indexer_topk_paged", "indexer_prefill_ranges", "indexer_bytes_per_token", "FORMATS"]
@@ -123,20 +127,31 @@ CACHE_WRITE_SPEC = OpSpec(
 )
 
 
+def row_class(rows: int) -> int:
+    """The row-count class of a quantizer problem: ``rows`` rounded up to a power of two (0 for 0), so that
+    the registry's selection cache holds few entries while the providers can choose by size."""
+    return 0 if rows <= 0 else 1 << (int(rows) - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class CacheWriteProblem(Problem):
-    """``indexer_cache_write`` / ``indexer_q_quant`` provider selection (``block_size``: cache pages)."""
+    """``indexer_cache_write`` provider selection (``block_size``: cache pages; ``rows``: the key count's
+    :func:`row_class`)."""
 
     fmt: str            # "mxfp4" | "nvfp4" | "fp8"
     hadamard: bool
     block_size: int
+    rows: int
     device: str
 
 
 @dataclass(frozen=True)
 class QQuantProblem(Problem):
+    """``indexer_q_quant`` provider selection (``rows``: :func:`row_class` of the T x 64 (token, head) rows)."""
+
     fmt: str
     hadamard: bool
+    rows: int
     device: str
 
 
@@ -169,7 +184,7 @@ class TopkPagedProblem(Problem):
 
 
 def _cw_example(target: Target) -> CacheWriteProblem:
-    return CacheWriteProblem("mxfp4", True, 64, target.device_type)
+    return CacheWriteProblem("mxfp4", True, 64, row_class(8 * 32768), target.device_type)
 
 
 CACHE_WRITE_OP = register(Op("indexer_cache_write", CACHE_WRITE_SPEC, module="indexer", example_problem=_cw_example))
@@ -178,7 +193,7 @@ CACHE_WRITE_OP = register(Op("indexer_cache_write", CACHE_WRITE_SPEC, module="in
 @custom_op("dsv4::indexer_cache_write", mutates_args=("cache",))
 def _cache_write_op(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor,
                     global_scale: Optional[torch.Tensor], fmt: str, hadamard: bool) -> None:
-    problem = CacheWriteProblem(fmt, bool(hadamard), int(cache.shape[1]), cache.device.type)
+    problem = CacheWriteProblem(fmt, bool(hadamard), int(cache.shape[1]), row_class(k.shape[0]), cache.device.type)
     CACHE_WRITE_OP.dispatch(problem, Target.of(cache.device), cache=cache, k=k, slot_mapping=slot_mapping,
                             global_scale=global_scale)
 
@@ -215,7 +230,7 @@ def indexer_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torc
     CACHE_WRITE_SPEC.validate({"cache": cache, "k": k, "slot_mapping": slot_mapping, "global_scale": global_scale},
                               symbols={"BPT": indexer_bytes_per_token(fmt)})
     _check_global("indexer_cache_write", fmt, "global_scale", global_scale)
-    torch.ops.dsv4.indexer_cache_write(cache, k, slot_mapping, global_scale, fmt, bool(hadamard))
+    _cache_write_op(cache, k, slot_mapping, global_scale, fmt, bool(hadamard))
 
 
 # =========================================================================================
@@ -240,13 +255,13 @@ Q_QUANT_SPEC = OpSpec(
 )
 
 Q_QUANT_OP = register(Op("indexer_q_quant", Q_QUANT_SPEC, module="indexer",
-                         example_problem=lambda t: QQuantProblem("mxfp4", True, t.device_type)))
+                         example_problem=lambda t: QQuantProblem("mxfp4", True, row_class(4096 * HEADS), t.device_type)))
 
 
 @custom_op("dsv4::indexer_q_quant", mutates_args=())
 def _q_quant_op(q: torch.Tensor, w: torch.Tensor, global_scale: Optional[torch.Tensor], fmt: str,
                 hadamard: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem = QQuantProblem(fmt, bool(hadamard), q.device.type)
+    problem = QQuantProblem(fmt, bool(hadamard), row_class(q.shape[0] * HEADS), q.device.type)
     return Q_QUANT_OP.dispatch(problem, Target.of(q.device), q=q, w=w, global_scale=global_scale)
 
 
@@ -286,7 +301,7 @@ def indexer_q_quant(q: torch.Tensor, w: torch.Tensor, *, fmt: str = "mxfp4", had
         raise ValueError(f"indexer_q_quant: argument 'hadamard' must be a bool, got {type(hadamard).__name__} {hadamard!r}")
     Q_QUANT_SPEC.validate({"q": q, "w": w, "global_scale": global_scale})
     _check_global("indexer_q_quant", fmt, "global_scale", global_scale)
-    return torch.ops.dsv4.indexer_q_quant(q, w, global_scale, fmt, bool(hadamard))
+    return _q_quant_op(q, w, global_scale, fmt, bool(hadamard))
 
 
 # =========================================================================================
@@ -362,7 +377,7 @@ def indexer_logits(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, k_
                          symbols={"VB": vb, "SB": sb, "SBQ": _sbq(fmt)})
     _check_global("indexer_logits", fmt, "q_global", q_global)
     _check_global("indexer_logits", fmt, "k_global", k_global)
-    return torch.ops.dsv4.indexer_logits(q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global, fmt)
+    return _logits_op(q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global, fmt)
 
 
 def indexer_prefill_ranges(seq_lens, ratio: int = 4, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -458,9 +473,6 @@ def _check_paged(op: str, spec: OpSpec, q_data, q_sf, w, cache, context_lens, bl
     to ``[B, next_n]``), the layout spec, ``max_ctx`` (int in ``[1, max_blocks * block_size]``,
     default the whole table) and the NVFP4 global scales. Returns ``(lens, max_ctx)``.
     Raises ``ValueError`` / ``LayoutError`` naming ``op`` and the argument."""
-    import numbers
-
-    from ..reference.indexer import normalize_context_lens
     _check_fmt(fmt, op)
     if q_data.dim() != 4:
         raise LayoutError(f"{op}: argument 'q_data' must be [B, next_n, 64, VB], got {list(q_data.shape)}")
@@ -515,7 +527,7 @@ def indexer_logits_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tens
     """
     lens, max_ctx = _check_paged("indexer_logits_paged", PAGED_SPEC, q_data, q_sf, w, cache, context_lens,
                                  block_table, fmt, max_ctx, q_global, k_global)
-    return torch.ops.dsv4.indexer_logits_paged(q_data, q_sf, w, cache, lens, block_table, q_global, k_global,
+    return _paged_op(q_data, q_sf, w, cache, lens, block_table, q_global, k_global,
                                                fmt, int(max_ctx))
 
 
@@ -544,7 +556,7 @@ def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):   # Python / numpy int; never truncate
         raise ValueError(f"indexer_topk: argument 'k' must be an int (entries per row, 1..2048), got "
                          f"{type(k).__name__} {k!r}")
-    return topk(logits, lengths, int(k))
+    return topk(logits, lengths, int(k), sorted=True)   # this op's contract: sorted (topk's default: by position)
 
 
 # =========================================================================================
@@ -634,9 +646,6 @@ def indexer_topk_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor
         ValueError: ``k`` not an int in 1..2048; ``map_to_slots`` / ``return_scores`` not bools.
         LayoutError: as :func:`indexer_logits_paged`.
     """
-    import numbers
-
-    from .topk import K_MAX
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= int(k) <= K_MAX:
         raise ValueError(f"indexer_topk_paged: argument 'k' must be an int in 1..{K_MAX}, got {type(k).__name__} {k!r}")
     for name, v in (("map_to_slots", map_to_slots), ("return_scores", return_scores)):
@@ -644,7 +653,7 @@ def indexer_topk_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor
             raise ValueError(f"indexer_topk_paged: argument '{name}' must be a bool, got {type(v).__name__}")
     lens, max_ctx = _check_paged("indexer_topk_paged", TOPK_PAGED_SPEC, q_data, q_sf, w, cache, context_lens,
                                  block_table, fmt, max_ctx, q_global, k_global)
-    idx, sc = torch.ops.dsv4.indexer_topk_paged(q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fmt,
+    idx, sc = _topk_paged_op(q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fmt,
                                                 int(max_ctx), int(k), map_to_slots)
     return (idx, sc) if return_scores else idx
 

@@ -68,8 +68,28 @@ _CACHE_PACKING = ("fp8_ds_mla: uint8 [num_blocks, bs*584]; block base page*bs*58
                   "nope dims), then pad 0. bf16: [num_blocks, bs, 512] fake-quantized values")
 
 
+#: (dtype, shape, d) -> (fmt, block_size) of a cache that passed :func:`_cache_info`'s shape checks
+_CACHE_INFO: dict[tuple, tuple[str, int]] = {}
+
+
 def _cache_info(cache: torch.Tensor, d: int, arg: str = "cache") -> tuple[str, int]:
-    """(fmt, block_size) of a cache tensor, with shape checks (LayoutError naming ``arg``)."""
+    """(fmt, block_size) of a cache tensor, with shape checks (LayoutError naming ``arg``).
+
+    The shape checks of a plain tensor are memoized per (dtype, shape, d) (a repeat call checks only
+    contiguity and alignment); a miss, a tensor subclass (FakeTensor) and torch.compile tracing run
+    every check."""
+    plain = type(cache) is torch.Tensor and not torch.compiler.is_compiling()
+    if plain:
+        hit = _CACHE_INFO.get((cache.dtype, cache.shape, d))
+        if hit is not None and cache.is_contiguous() and not (cache.is_cuda and cache.numel() and cache.data_ptr() % 16):
+            return hit
+    fmt, bs = _cache_info_full(cache, d, arg)
+    if plain and len(_CACHE_INFO) < 1024:
+        _CACHE_INFO[(cache.dtype, cache.shape, d)] = (fmt, bs)
+    return fmt, bs
+
+
+def _cache_info_full(cache: torch.Tensor, d: int, arg: str) -> tuple[str, int]:
     if not isinstance(cache, torch.Tensor):
         raise LayoutError(f"{arg}: must be a torch.Tensor cache, got {type(cache).__name__}")
     if cache.dim() >= 1 and cache.shape[0] < 1:
@@ -225,7 +245,7 @@ def kv_cache_append(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.T
                              f"[-1, num_blocks * block_size = {n_slots})")
     if syms["N"] == 0:
         return
-    torch.ops.dsv4.kv_cache_append(cache, kv, slot_mapping)
+    _kv_cache_append_op(cache, kv, slot_mapping)
 
 
 # =============================================================================== gather
@@ -369,7 +389,7 @@ def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Ten
                                                                      sbs if swa_cache is not None else 0)):
             if ln is not None and bool(((ln < 0) | (ln > bt_.shape[1] * b_)).any()):
                 raise ValueError(f"kv_gather: {name} outside [0, max_blocks * block_size = {bt_.shape[1] * b_}]")
-    return torch.ops.dsv4.kv_gather(cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table,
+    return _kv_gather_op(cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table,
                                     swa_indices, swa_lens)
 
 
@@ -601,7 +621,7 @@ def kv_compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
                                  f"{block_table.shape[1]} x {bs}")
     if B == 0:
         return
-    torch.ops.dsv4.kv_compress_prefill(kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
+    _kv_compress_prefill_op(kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
                                        kv_state, score_state, float(eps))
 
 
@@ -664,7 +684,7 @@ def kv_compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
             raise ValueError(f"kv_compress_decode: argument 'positions' has positions[{i}] = {int(p[i])}: {why}")
     if B == 0:
         return
-    torch.ops.dsv4.kv_compress_decode(kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,
+    _kv_compress_decode_op(kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,
                                       kv_state, score_state, float(eps))
 
 

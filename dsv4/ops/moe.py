@@ -46,6 +46,7 @@ import torch
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
+from ._common import dtype_name
 
 FORMATS = {"mxfp4": 32, "nvfp4": 16}
 _SCALE_DTYPE = {"mxfp4": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}
@@ -423,7 +424,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, *, topk: int = 6, rout
         if tid2eid.numel() and bool(((tid2eid < 0) | (tid2eid >= E)).any()):
             raise ValueError(f"moe_route: argument 'tid2eid' has expert ids outside [0, E={E}) "
                              f"(E = gate_weight.shape[0]); got min {int(tid2eid.min())}, max {int(tid2eid.max())}")
-    return torch.ops.dsv4.moe_route(x, gate_weight, bias, input_ids, tid2eid, int(topk), float(route_scale))
+    return _moe_route_op(x, gate_weight, bias, input_ids, tid2eid, int(topk), float(route_scale))
 
 
 # ------------------------------------------------------------------------------------------
@@ -547,7 +548,6 @@ def _(x, topk_idx, topk_w, num_experts, act, layout, max_m):
 @custom_op("dsv4::moe_combine", mutates_args=())
 def _moe_combine_op(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int,
                     out_dtype: torch.dtype) -> torch.Tensor:
-    from ._common import dtype_name
     problem = CombineProblem(topk, y.shape[1], dtype_name(y.dtype), dtype_name(out_dtype), y.device.type)
     return COMBINE_OP.dispatch(problem, Target.of(y.device), y=y, pos=pos, num_tokens=num_tokens, topk=topk,
                                out_dtype=out_dtype)
@@ -636,7 +636,7 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, n
                          f"min {int(topk_idx.min())}, max {int(topk_idx.max())}")
     if topk_w.dtype != torch.float32:
         topk_w = topk_w.float()
-    a, a_s, row_start, row_count, rw, pos = torch.ops.dsv4.moe_permute(x, topk_idx, topk_w, E, act, layout, max_m)
+    a, a_s, row_start, row_count, rw, pos = _moe_permute_op(x, topk_idx, topk_w, E, act, layout, max_m)
     return MoEGrouped(a, a_s if act == "fp8" else None, row_start, row_count, rw, pos)
 
 
@@ -682,7 +682,7 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int, 
         raise LayoutError(f"moe_combine: argument 'pos' is on {pos.device}, 'y' on {y.device}")
     if y.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         y = y.float()
-    return torch.ops.dsv4.moe_combine(y, pos, T, k, out_dtype)
+    return _moe_combine_op(y, pos, T, k, out_dtype)
 
 
 # ------------------------------------------------------------------------------------------
@@ -841,7 +841,7 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = Non
     GEMM1_SPEC.validate({"a": g.a, "a_s": g.a_s, "w13": w.w13, "w13_scale": w.w13_scale, "g13": w.g13,
                          "row_start": g.row_start, "row_count": g.row_count, "route_w": g.route_w},
                         symbols={"SF": FORMATS[w.fmt], "I": w.I})
-    return torch.ops.dsv4.moe_gemm1_swiglu(g.a, g.a_s, w.w13, w.w13_scale, w.g13, g.row_start, g.row_count,
+    return _gemm1_op(g.a, g.a_s, w.w13, w.w13_scale, w.g13, g.row_start, g.row_count,
                                            g.route_w, w.fmt, _check_hint("moe_gemm1_swiglu", max_m), g.pos.numel())
 
 
@@ -876,7 +876,7 @@ def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: Mo
     _check_act_scale("moe_gemm2", h, h_s, "h")
     GEMM2_SPEC.validate({"h": h, "h_s": h_s, "w2": w.w2, "w2_scale": w.w2_scale, "g2": w.g2,
                          "row_start": g.row_start, "row_count": g.row_count}, symbols={"SF": FORMATS[w.fmt]})
-    return torch.ops.dsv4.moe_gemm2(h, h_s, w.w2, w.w2_scale, w.g2, g.row_start, g.row_count, w.fmt,
+    return _gemm2_op(h, h_s, w.w2, w.w2_scale, w.g2, g.row_start, g.row_count, w.fmt,
                                     _check_hint("moe_gemm2", max_m), g.pos.numel())
 
 

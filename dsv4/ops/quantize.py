@@ -309,7 +309,7 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale: Optional[torch.Tensor] = No
     if isinstance(global_scale, torch.Tensor) and global_scale.dim() == 0:
         global_scale = global_scale.reshape(1)
     SPEC_NVFP4.validate({"x": x, "global_scale": global_scale})
-    data, scale, gs = torch.ops.dsv4.quantize_nvfp4(x, global_scale, sf_layout)
+    data, scale, gs = _quantize_nvfp4_op(x, global_scale, sf_layout)
     M, K = x.shape
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs[0], shape=(int(M), int(K)), sf_layout=sf_layout,
                        global_encode_scale=gs[1])
@@ -341,7 +341,7 @@ def quantize_mxfp4(x: torch.Tensor, *, rule: str = "dsv4") -> Tuple[torch.Tensor
         raise ValueError(f"quantize_mxfp4: rule must be one of {MXFP4_RULES}, got {rule!r}")
     x2 = _flatten_rows("x", x, "quantize_mxfp4")
     SPEC_MXFP4.validate({"x": x2})
-    data, scale = torch.ops.dsv4.quantize_mxfp4(x2, rule)
+    data, scale = _quantize_mxfp4_op(x2, rule)
     lead, K = tuple(x.shape[:-1]), x.shape[-1]
     # explicit sizes (never -1): an empty input [0, K] / [..., 0, K] has 0 elements and -1 is ambiguous
     return data.reshape(*lead, K // 2), scale.reshape(*lead, K // 32)
@@ -382,7 +382,7 @@ def quantize_fp8_block(x: torch.Tensor, *, block: int = 128, scale_fmt: str = "f
                          "(an fp32 scale amax/448 is not a power of two)")
     x2 = _flatten_rows("x", x, "quantize_fp8_block")
     SPEC_FP8.validate({"x": x2}, symbols={"block": block})
-    q, scale = torch.ops.dsv4.quantize_fp8_block(x2, block, scale_fmt, scale_dtype)
+    q, scale = _quantize_fp8_block_op(x2, block, scale_fmt, scale_dtype)
     lead, K = tuple(x.shape[:-1]), x.shape[-1]
     # explicit sizes (never -1): an empty input [0, K] / [..., 0, K] has 0 elements and -1 is ambiguous
     return q.reshape(*lead, K), scale.reshape(*lead, K // block)
@@ -414,7 +414,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, *, block: int = 1
     q2 = _flatten_rows("q", q, "dequantize_fp8_block")
     s2 = _flatten_rows("scale", scale, "dequantize_fp8_block")
     SPEC_DQ.validate({"q": q2, "scale": s2}, symbols={"block": block})
-    out = torch.ops.dsv4.dequantize_fp8_block(q2, s2, block, out_dtype)
+    out = _dequantize_fp8_block_op(q2, s2, block, out_dtype)
     return out.reshape(q.shape)
 
 

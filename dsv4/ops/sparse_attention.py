@@ -180,7 +180,11 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     """
     args = validate_args(q, swa_cache, swa_indices, swa_lens, sink, cache=cache, indices=indices, lens=lens,
                          scale=scale, num_splits=num_splits, debug_check=debug_check)
-    return torch.ops.dsv4.sparse_attention(*args)
+    return _sparse_attention_op(*args)
+
+
+#: the operands :func:`validate_args` checks with the spec (the caches have their own checks)
+_TENSOR_SPECS = tuple(s for s in SPEC.inputs if s.name in ("q", "swa_indices", "swa_lens", "sink", "indices", "lens"))
 
 
 def validate_args(q, swa_cache, swa_indices, swa_lens, sink=None, *, cache=None, indices=None, lens=None,
@@ -202,7 +206,7 @@ def validate_args(q, swa_cache, swa_indices, swa_lens, sink=None, *, cache=None,
         raise LayoutError(f"sparse_attention: argument 'q' must be bfloat16 [T, H, 512], got {got}")
     tensors = {"q": q, "swa_indices": swa_indices, "swa_lens": swa_lens, "sink": sink, "indices": indices,
                "lens": lens}
-    syms = SPEC.validate(tensors, specs=[s for s in SPEC.inputs if s.name in tensors])
+    syms = SPEC.validate(tensors, specs=_TENSOR_SPECS)
     if syms["H"] < 1:
         raise LayoutError("sparse_attention: argument 'q' must have H >= 1 heads")
     fmt, sbs, cbs = _cache_pair("sparse_attention", swa_cache, "swa_cache", cache, "cache", HEAD_DIM, q.device, "q")

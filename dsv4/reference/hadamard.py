@@ -7,20 +7,32 @@ Used by the indexer compressor (K, d = 128) and the indexer query, before their 
 Matrix: ``H_n[i, j] = (-1)^popcount(i & j)`` (Sylvester order, no permutation), ``y = (H_n x) *
 n^-0.5``. :func:`hadamard_matrix` is the independent oracle (matrix product) of the tests.
 
-:func:`rotate_activation_ref` is the definition every kernel of this project follows: the
-butterflies run in **fp64** (a sum of 128 bf16 values with +-1 coefficients is exact in fp64
-for any exponent spread below 38 binades, so the order of the stages does not matter), one
-fp64 multiply by ``fp64(n^-0.5)``, then ONE correctly rounded conversion fp64 -> bf16
-(:func:`bf16_round`; torch's own ``double.to(bfloat16)`` rounds twice, via fp32). The result is
-the bf16 of the exact ``(H x) * n^-0.5`` except within 2^-52 (relative) of a bf16 rounding
-midpoint. The CUDA kernels (``kernels_cuda/indexer.cu`` ``fwht128``, ``kernels_cuda/kv_cache.cuh``
-``kvc_fwht128``) do the same fp64 operations and the same rounding, so the three agree bit for
-bit. This is the project's definition, not a bit-for-bit copy of the official kernel:
-``fast_hadamard_transform`` accumulates in fp32 and converts once, which agrees with it on typical
-activations (randn rows: no difference measured) but can differ by one bf16 ulp when a row's
-exponents spread widely (measured 2026-12-01: 18 of 256,000 outputs for inputs spread over
-2^+-20). :func:`hadamard_fwht` (fp32 butterflies, bit 0 first) is kept for callers that want the
-rotation without the bf16 rounding.
+Precision contract (doctrine 5) -- :func:`rotate_activation_ref` is the definition every kernel of
+this project follows, bit for bit: **fp32 butterflies in a fixed stage order** (index bit 0 first:
+stage ``b`` = 0..6 maps the pair ``(i, i + 2^b)`` (bit ``b`` of ``i`` clear) to ``(a + b, a - b)``,
+each ``add.rn.f32`` / ``sub.rn.f32``), then ONE fp32 multiply by ``fp32(128^-0.5)`` (= 0x3DB504F3),
+then ONE round-to-nearest-even to bf16. This is the arithmetic of the official kernel
+(``fast_hadamard_transform`` on a bf16 tensor: fp32 inside, bf16 out). The kernels
+(``kernels_dsl/indexer_quant.py`` ``_rotate_row``, ``kernels_cuda/common.cuh`` ``fwht128``, used by
+``kernels_cuda/indexer.cu`` and ``kernels_cuda/kv_cache.cu``) run the same operations in the same
+order (a cross-lane stage's upper lane computes ``p - d`` as ``fma(d, -1, p)``: the same single
+rounding), so kernel == reference bit for bit.
+
+Bound against the exact rotation ``y* = (H x) * 128^-0.5`` (fp64, :func:`hadamard_matrix`): a
+rounding at stage ``k`` reaches each output through one +-1 path; the 2^(7-k) stage-``k`` partial
+sums an output depends on have disjoint supports, so their magnitudes add up to at most
+``||x||_1``: the 7 stages cost ``<= 7 * 2^-24 * ||x||_1`` (first order), the multiply one more
+rounding. Before the bf16 rounding ``|y32 - y*| <= 8 * 2^-24 * ||x||_1 * 128^-0.5`` (+ second-order
+terms), and the bf16 result obeys (2^-8 = half a bf16 ulp, relative; 2^-20 leaves margin)
+
+    |y - y*| <= 2^-8 * |y*| + 2^-20 * ||x||_1 * 128^-0.5 + 2^-133
+
+tested on rows with exponent spreads up to 2^+-40 (tests/test_indexer.py
+``test_hadamard_contract_bound_cpu``, which also reports how often ``y`` is not the correctly
+rounded bf16 of ``y*``: a one-ulp difference on a small fraction of outputs, none elsewhere).
+Overflow: a partial sum above FLT_MAX is +-Inf in fp32 (as in the official kernel), which needs
+inputs near bf16's own maximum. :func:`bf16_round` (one correct rounding fp64 -> bf16) is kept for
+oracles that want the exact rotation's correctly rounded value.
 """
 from __future__ import annotations
 
@@ -91,7 +103,8 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_activation_ref(x: torch.Tensor) -> torch.Tensor:
-    """DSV4 ``rotate_activation``: ``bf16((H_n x) * n^-0.5)`` (fp64 butterflies, one fp64
-    multiply, one correct rounding to bf16; module docstring). ``x``: float ``[..., n]``
-    (bf16 in DSV4); returns bf16 ``[..., n]``."""
-    return bf16_round(hadamard_fwht(x, dtype=torch.float64))
+    """DSV4 ``rotate_activation``: ``bf16((H_n x) * n^-0.5)`` computed as the module docstring's
+    contract (fp32 butterflies, index bit 0 first; one fp32 multiply by ``fp32(n^-0.5)``; one RNE
+    to bf16). ``x``: float ``[..., n]`` (bf16 in DSV4); returns bf16 ``[..., n]``. Error bound vs
+    the exact rotation: module docstring."""
+    return hadamard_fwht(x, dtype=torch.float32).to(torch.bfloat16)

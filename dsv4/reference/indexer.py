@@ -23,8 +23,9 @@ first, then all scale bytes (vLLM ``DeepseekV4Indexer`` / DeepGEMM ``kv_cache_sf
 
 Hadamard (optional, the DSV4 reference rotates q and K): ``x -> bf16((H_128 x) * 128^-0.5)``
 by :func:`dsv4.reference.hadamard.rotate_activation_ref` (the official ``rotate_activation``
-asserts a bf16 input and returns bf16; the rotated vector is rounded to bf16 ONCE, correctly,
-before it is quantized; bit-exact with the CUDA ``fwht128``).
+asserts a bf16 input and returns bf16; fp32 butterflies in a fixed stage order, one fp32 scale multiply,
+one RNE to bf16, then quantized: the contract and its bound vs the exact rotation are in
+``dsv4.reference.hadamard``; every kernel is bit-exact with it).
 """
 from __future__ import annotations
 

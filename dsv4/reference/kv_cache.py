@@ -248,7 +248,7 @@ def compress_finish_ref(pooled, b, ratio, norm_weight, rope_cos_sin, eps=1e-6):
     rope = apply_rope(y[:, d - ROPE:], pos, rope_cos_sin).to(torch.bfloat16)
     y = torch.cat([y[:, : d - ROPE], rope], 1)
     if d == IDX_DIM:
-        y = rotate_activation_ref(y)   # rotate_activation: bf16 in, bf16 out (one correct rounding)
+        y = rotate_activation_ref(y)   # rotate_activation: bf16 in, bf16 out (fp32 butterflies, dsv4.reference.hadamard)
     return y
 
 

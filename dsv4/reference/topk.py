@@ -45,8 +45,8 @@ def topk_ref(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Option
     ``hi = clamp(lengths, 0, n)``; NaN / -inf never selected; sorted by score descending, ties
     by lower index; padding ``-1`` / ``-inf``; optional block_table mapping (-1 stays -1; an entry
     outside ``[0, num_blocks)`` -- only negative ones without ``num_blocks`` -- or a slot id past
-    2^31 - 1 gives -1, the score is kept). ``sorted=False`` allows any order: the reference returns
-    the sorted order, which is one of them.
+    2^31 - 1 gives -1, the score is kept). ``sorted=False``: the same entries in ascending position
+    order (padding last), the op's unsorted contract.
     """
     rows, n = logits.shape
     dev = logits.device
@@ -64,6 +64,9 @@ def topk_ref(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Option
     if n < k:
         src = torch.cat([src, torch.zeros((rows, k - n), dtype=src.dtype, device=dev)], 1)
     scores = torch.where(ok, src.gather(1, order), torch.full(order.shape, _NEG_INF, device=dev))
+    if not sorted:   # ascending position, padding (-1) last
+        o = torch.sort(torch.where(ok, order, torch.full_like(order, torch.iinfo(torch.int64).max)), dim=1).indices
+        idx, scores, ok = idx.gather(1, o), scores.gather(1, o), ok.gather(1, o)
     if block_table is not None:
         seq = torch.arange(rows, device=dev) // rows_per_seq
         b = idx.clamp(min=0) // block_size
@@ -79,7 +82,7 @@ def topk_ref(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts: Option
 class TorchTopk(TorchProvider):
     describe = "torch reference (int64 composite key sort, exact ties)"
 
-    def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=True,
+    def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=False,
             num_blocks=None):
         return topk_ref(logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted, num_blocks)
 
