@@ -8,16 +8,14 @@ Both kernels are bit-exact against ``dsv4/reference/kv_cache.py``.
 
 :class:`KvAppendKernel` (one warp per token, ``tokens`` tokens per warp)
     The warp first loads the slots of its tokens (lane ``j`` loads token ``j``'s) and, without
-    waiting for them, every token's 1 KB row with coalesced loads (lane ``l``: the 16-byte units
-    ``l`` and ``32 + l``, dims ``8 l .. 8 l + 7`` and ``256 + 8 l ..``: every warp load instruction
-    reads 512 contiguous bytes), so the slot and the row come in one memory round trip. Then per
-    token and half: block-64 amax over 8 lanes (``shfl.bfly``), UE8M0 scale ``2^ceil(log2(max(amax,
+    waiting for them, every token's 1 KB row (lane ``l``: dims ``16 l .. 16 l + 15``, two
+    ``ld.global.nc.v4``), so the slot and the row come in one memory round trip. Then per
+    token: block-64 amax over 4 lanes (``shfl.bfly``), UE8M0 scale ``2^ceil(log2(max(amax,
     1e-4) * fp32(1/448)))`` (exponent-field arithmetic), ``x * 2^-k`` (exact: equal to the
-    reference's ``x / s``), ``cvt.rn.satfinite.e4m3x2.f32`` (= clamp to +-448 then RNE); each lane
-    stores its 8 E4M3 bytes per half (256 + 192 contiguous bytes per warp instruction), lanes
-    24..31 of the second half the rope dims (bf16, 128 contiguous bytes); the 7 scale bytes + pad
-    are gathered by shuffles and lane 0 stores them as one 8-byte word. ``bf16`` caches get
-    ``e4m3 * s`` (exact) as 16-byte units ``l`` / ``32 + l``.
+    reference's ``x / s``), ``cvt.rn.satfinite.e4m3x2.f32`` (= clamp to +-448 then RNE); lanes
+    0..27 store 16 E4M3 bytes each (448 contiguous bytes per warp instruction), lanes 28..31
+    the rope dims (2 x 16 B); the 7 scale bytes + pad are gathered by shuffles and lane 0 stores
+    them as one 8-byte word. ``bf16`` caches get ``e4m3 * s`` (exact) in 2 x 16 B per lane.
     Slots outside ``[0, num_blocks * bs)`` are skipped (never written).
 
 :class:`KvGatherKernel` (one warp per ``rows`` consecutive output rows)
@@ -89,9 +87,10 @@ class KvGatherConfig:
 
 
 #: defaults = the measured winners (H200, 2026-12-01, CUDA-graph replay): append prefill 32k tokens,
-#: random slots: 1 / 2 / 4 tokens per warp 18.3 / 18.7 / 19.1 us (job mem2-01); with the former strided row loads
-#: (lane l: units 2l, 2l + 1) every variant stayed at 63-70% (job kvmem8-01: 18.1 us; next row prefetched 18.3-20.2,
-#: launch bounds 20.1-23.0, no scale store at all 17.6, dense / page-ordered slots 17.7 / 18.1); gather decode B=128
+#: random slots: 1 / 2 / 4 tokens per warp 18.3 / 18.7 / 19.1 us (job mem2-01); kvmem8-01 / -02: 18.1 us (68%), next row
+#: prefetched while a token is processed 18.3-20.2, launch bounds 20.1-23.0, no scale store (diagnostic) 17.6, dense /
+#: page-ordered slots 17.7 / 18.1, coalesced row loads (lane l: units l, 32 + l) + 8-byte E4M3 stores 19.0 (65.7%,
+#: bit-exact; lost, deleted); gather decode B=128
 #: (128 + 512 rows): (rows, group) (8, 2) 39.5 us, (16, 4) 41.0, (32, 4) 41.0, (32, 8) 39.9 (mem2-01),
 #: (4, 2) 37.6 (82.5% of copy BW, mem2-02); prefill 8 x (128 + 8192): 30.4 / 30.4 / 30.6 / 30.7, (4, 2) 28.2
 #: (89.6%). (4, 2) as the default, job mem7-01: decode 37.0 us (83.9%), prefill 28.2 (89.4%); GPU gather tests passed.
@@ -176,60 +175,52 @@ if _HAVE_DSL:
             rKv.fill(0)
             for k in cutlass.range_constexpr(TPW):
                 if n0 + k < n:
-                    u = (n0 + k) * 64 + Int64(lane)              # 16-byte units of kv: 64 per row
-                    cute.copy(ld16, gKv[(None, u)], rKv[(None, 0, k)])          # dims 8 lane .. 8 lane + 7
-                    cute.copy(ld16, gKv[(None, u + 32)], rKv[(None, 1, k)])     # dims 256 + 8 lane ..
+                    u = (n0 + k) * 64 + Int64(lane) * 2          # 16-byte units of kv: 64 per row
+                    cute.copy(ld16, gKv[(None, u)], rKv[(None, 0, k)])
+                    cute.copy(ld16, gKv[(None, u + 1)], rKv[(None, 1, k)])
             st16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
             st8 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=64)
             for k in cutlass.range_constexpr(TPW):
                 slot = cute.arch.shuffle_sync(my_slot, offset=k)
                 if (slot >= 0) & (slot < n_slots):             # warp-uniform
-                    # half h = 0 (dims 8 lane ..) / 1 (dims 256 + 8 lane ..): scale group 4 h + lane / 8
-                    # (half 1, lanes 24..31: the rope dims, copied as bf16)
-                    sbs = []
-                    qs = []
-                    for h in cutlass.range_constexpr(2):
-                        f = cute.make_rmem_tensor((8,), Float32)
-                        amax = Float32(0.0)
-                        for i in cutlass.range_constexpr(4):
-                            w = rKv[i, h, k]
-                            f[2 * i] = fp4.bits_to_f32(w << 16)
-                            f[2 * i + 1] = fp4.bits_to_f32(w & Uint32(0xFFFF0000))
-                        for i in cutlass.range_constexpr(8):
-                            a = fp4.bits_to_f32(fp4.f32_to_bits(f[i]) & Uint32(0x7FFFFFFF))
-                            # finite elements only (NaN / Inf count as 0), as dsv4.formats.finite_absmax
-                            a = cutlass.select_(a <= Float32(3.4028234663852886e38), a, Float32(0.0))
-                            amax = cutlass.max(amax, a)
-                        for o in cutlass.range_constexpr(3):
-                            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << o))
-                        # UE8M0 byte of 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) (a normal fp32)
-                        xb = fp4.f32_to_bits(cutlass.max(amax, Float32(1e-4)) * Float32(1.0 / 448.0))
-                        sb = ((xb >> 23) & Uint32(0xFF)) + cutlass.select_((xb & Uint32(0x7FFFFF)) != Uint32(0),
-                                                                           Uint32(1), Uint32(0))
-                        inv = fp4.bits_to_f32((Uint32(254) - sb) << 23)   # 2^-k exactly (105 <= sb <= 247)
-                        q = cute.make_rmem_tensor((2,), Uint32)
-                        for i in cutlass.range_constexpr(2):
-                            q[i] = fp4.cvt_e4m3x2_f32(f[4 * i] * inv, f[4 * i + 1] * inv) | (
-                                fp4.cvt_e4m3x2_f32(f[4 * i + 2] * inv, f[4 * i + 3] * inv) << 16)
-                        sbs.append(sb)
-                        qs.append(q)
+                    f = cute.make_rmem_tensor((16,), Float32)
+                    amax = Float32(0.0)
+                    for i in cutlass.range_constexpr(8):
+                        w = rKv[i % 4, i // 4, k]
+                        f[2 * i] = fp4.bits_to_f32(w << 16)
+                        f[2 * i + 1] = fp4.bits_to_f32(w & Uint32(0xFFFF0000))
+                    for i in cutlass.range_constexpr(16):
+                        a = fp4.bits_to_f32(fp4.f32_to_bits(f[i]) & Uint32(0x7FFFFFFF))
+                        # finite elements only (NaN / Inf count as 0), as dsv4.formats.finite_absmax
+                        a = cutlass.select_(a <= Float32(3.4028234663852886e38), a, Float32(0.0))
+                        amax = cutlass.max(amax, a)
+                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
+                    # UE8M0 byte of 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) (a normal fp32)
+                    xb = fp4.f32_to_bits(cutlass.max(amax, Float32(1e-4)) * Float32(1.0 / 448.0))
+                    sb = ((xb >> 23) & Uint32(0xFF)) + cutlass.select_((xb & Uint32(0x7FFFFF)) != Uint32(0),
+                                                                       Uint32(1), Uint32(0))
+                    inv = fp4.bits_to_f32((Uint32(254) - sb) << 23)   # 2^-k exactly (105 <= sb <= 247)
+                    q = cute.make_rmem_tensor((4,), Uint32)
+                    for i in cutlass.range_constexpr(4):
+                        q[i] = fp4.cvt_e4m3x2_f32(f[4 * i] * inv, f[4 * i + 1] * inv) | (
+                            fp4.cvt_e4m3x2_f32(f[4 * i + 2] * inv, f[4 * i + 3] * inv) << 16)
                     page = slot // Int64(bs)
                     off = slot - page * Int64(bs)
                     if cutlass.const_expr(self.fmt == "fp8_ds_mla"):
                         base = page * Int64(bs) * TOKEN_B          # bytes
                         data = base + off * DATA_B
-                        # E4M3 bytes 8 lane .. (256 contiguous per warp store) and 256 + 8 lane .. (lanes < 24)
-                        cute.copy(st8, qs[0], g8[(None, (data + Int64(lane) * 8) // 8)])
-                        if lane < 24:
-                            cute.copy(st8, qs[1], g8[(None, (data + 256 + Int64(lane) * 8) // 8)])
-                        else:                                       # rope dims: bf16 copy (128 contiguous bytes)
-                            cute.copy(st16, rKv[(None, 1, k)], g16[(None, (data + NOPE + Int64(lane - 24) * 16) // 16)])
-                        # the 7 scale bytes (half 0 lanes 0, 8, 16, 24; half 1 lanes 0, 8, 16) + pad 0 -> one 8-byte
-                        # word from lane 0
+                        if lane < 28:                               # 448 contiguous E4M3 bytes
+                            cute.copy(st16, q, g16[(None, (data + Int64(lane) * 16) // 16)])
+                        else:                                       # rope dims: bf16 copy
+                            u = (data + NOPE + Int64(lane - 28) * 32) // 16
+                            cute.copy(st16, rKv[(None, 0, k)], g16[(None, u)])
+                            cute.copy(st16, rKv[(None, 1, k)], g16[(None, u + 1)])
+                        # the 7 scale bytes (lanes 0, 4, .., 24) + pad 0 -> one 8-byte word from lane 0
                         lo = Uint32(0)
                         hi = Uint32(0)
                         for g in cutlass.range_constexpr(7):
-                            v = cute.arch.shuffle_sync(sbs[g // 4], offset=8 * (g % 4))
+                            v = cute.arch.shuffle_sync(sb, offset=4 * g)
                             if cutlass.const_expr(g < 4):
                                 lo = lo | (v << (8 * g))
                             else:
@@ -240,30 +231,25 @@ if _HAVE_DSL:
                             rs[1] = hi
                             cute.copy(st8, rs, g8[(None, (base + Int64(bs) * DATA_B + off * SF_B) // 8)])
                     else:
-                        u = slot * 64 + Int64(lane)
-                        for h in cutlass.range_constexpr(2):        # fake-quant: e4m3(x / s) * s, exact in bf16
-                            rw = cute.make_rmem_tensor((4,), Uint32)
-                            s = fp4.bits_to_f32(sbs[h] << 23)
-                            for i in cutlass.range_constexpr(2):
-                                x0, x1 = fp4.e4m3x2_to_f32x2(qs[h][i])
-                                x2, x3 = fp4.e4m3x2_to_f32x2(qs[h][i] >> 16)
-                                rf = cute.make_rmem_tensor((4,), Float32)
-                                rf[0] = x0 * s
-                                rf[1] = x1 * s
-                                rf[2] = x2 * s
-                                rf[3] = x3 * s
-                                rh = cute.make_rmem_tensor((4,), BFloat16)
-                                rh.store(rf.load().to(BFloat16))
-                                rr = cute.recast_tensor(rh, Uint32)
-                                rw[2 * i] = rr[0]
-                                rw[2 * i + 1] = rr[1]
-                            if cutlass.const_expr(h == 0):
-                                cute.copy(st16, rw, g16[(None, u)])
-                            else:
-                                if lane < 24:
-                                    cute.copy(st16, rw, g16[(None, u + 32)])
-                                else:
-                                    cute.copy(st16, rKv[(None, 1, k)], g16[(None, u + 32)])
+                        u = slot * 64 + Int64(lane) * 2
+                        if lane < 28:                               # fake-quant: e4m3(x / s) * s, exact in bf16
+                            s = fp4.bits_to_f32(sb << 23)
+                            rf = cute.make_rmem_tensor((16,), Float32)
+                            for i in cutlass.range_constexpr(4):
+                                x0, x1 = fp4.e4m3x2_to_f32x2(q[i])
+                                x2, x3 = fp4.e4m3x2_to_f32x2(q[i] >> 16)
+                                rf[4 * i] = x0 * s
+                                rf[4 * i + 1] = x1 * s
+                                rf[4 * i + 2] = x2 * s
+                                rf[4 * i + 3] = x3 * s
+                            rh = cute.make_rmem_tensor((16,), BFloat16)
+                            rh.store(rf.load().to(BFloat16))
+                            rw = cute.zipped_divide(cute.recast_tensor(rh, Uint32), (4,))
+                            cute.copy(st16, rw[(None, 0)], g16[(None, u)])
+                            cute.copy(st16, rw[(None, 1)], g16[(None, u + 1)])
+                        else:
+                            cute.copy(st16, rKv[(None, 0, k)], g16[(None, u)])
+                            cute.copy(st16, rKv[(None, 1, k)], g16[(None, u + 1)])
 
     class KvGatherKernel:
         """``__call__(cache, bt, lens, idx, req, swa_cache, swa_bt, swa_lens, swa_idx, out, bs, nb,
