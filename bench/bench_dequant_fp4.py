@@ -2,7 +2,8 @@
 
 Bytes = packed input + scales + output (read + written). Roofline = bytes / measured
 device-to-device copy bandwidth (read + write) in the same run. Inputs rotate past L2, in the
-eager timing and in the CUDA-graph replay alike (``bench._util.time_graph`` over the rotating sets).
+eager timing and in the CUDA-graph replay alike (``bench._util.time_graph`` over the rotating sets, ``--graph-calls``
+calls per graph: the graph's launch latency is shared by them, bench/bench_quantize.py GRAPH_CALLS).
 
     PYTHONPATH=. python3 bench/bench_dequant_fp4.py [--json out.json] [--providers dsl,torch]
         [--shapes 8192x8192,16x7168] [--dsl-configs 256x1,256x2,...]
@@ -17,6 +18,7 @@ import argparse
 import torch
 
 from bench._util import copy_bandwidth, print_table, rotating, save_json, time_cuda, time_graph
+from bench.bench_quantize import GRAPH_CALLS
 from dsv4 import registry
 from dsv4.formats import quantize_mxfp4, quantize_nvfp4
 from dsv4.ops import dequant_fp4
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{m}x{k}" for m, k in SHAPES))
     ap.add_argument("--dsl-configs", default="")
     ap.add_argument("--out", default="bfloat16,float32")
+    ap.add_argument("--graph-calls", type=int, default=GRAPH_CALLS)
     a = ap.parse_args()
     import kernels_dsl.dequant_fp4 as kd
     shapes = [tuple(int(v) for v in x.split("x")) for x in a.shapes.split(",")]
@@ -60,7 +63,7 @@ def main() -> None:
                                                                        out_dtype=out_dtype) for d, s, g in sets]
                             it = iter(range(1 << 30))
                             us = time_cuda(lambda: calls[next(it) % len(calls)](), iters=30)
-                            usg = time_graph(calls, iters=len(calls), reps=15)
+                            usg = time_graph(calls, iters=max(a.graph_calls, len(calls)), reps=15)
                     except Exception as e:  # noqa: BLE001
                         rows.append(dict(shape=f"{M}x{K}", fmt=fmt, out=str(out_dtype)[6:], provider=prov,
                                          note=f"skipped: {type(e).__name__}: {str(e)[:60]}"))

@@ -11,17 +11,22 @@ call is then replayed on its own: warm-up (compiles, caches), then per call ``sy
 timed), ``perf_counter``, the call, ``perf_counter``; the median is reported (``host_us``). On CUDA
 the call returns once its kernels are queued, so that is host time, launch glue included. On CPU
 the torch reference does its math inside the call, so the table also times each call with null
-providers (selection as usual, then the output recorded from a real run is returned instead of
-running): ``lib_us`` is the library's own time (argument checks, spec validation, registry
-selection, the op boundary). The target applies to ``host_us`` on CUDA and to ``lib_us`` on CPU.
+providers (each provider's ``run`` returns the output recorded from a real run instead of running,
+and plans call ``run`` instead of replaying a trace): ``lib_us`` is the library's own time (the plan
+key and lookup on a repeat signature; else argument checks, spec validation, registry selection,
+the op boundary). The target applies to ``host_us`` on CUDA and to ``lib_us`` on CPU. The warm-up
+makes every timed call a repeat signature: the default path is the per-signature plan that replays
+the provider's recorded host trace (dsv4/ops/_plan.py, dsv4/ops/_trace.py).
 
     PYTHONPATH=. python bench/bench_eager.py [--json out.json] [--ops topk,kv_gather] [--budget 0.2]
         [--lib-only] [--deadline S] [--first topk,quantize] [--dsl-call tvm-ffi|dsl]
-        [--breakdown] [--cprofile N] [--variants old,new]          (or: dsv4 bench eager ...)
+        [--breakdown] [--cprofile N] [--variants old,direct,plan,replay]   (or: dsv4 bench eager ...)
 
 ``--breakdown`` adds the per-stage columns of :class:`Stages`; ``--variants`` times each call again
 under each named setting of the library's eager switches (:data:`VARIANTS`: ``old`` = every call through
-the ``torch.library`` dispatcher, ``new`` = the eager direct call) in the same process.
+the ``torch.library`` dispatcher, ``direct`` = the eager direct call with every check per call, ``plan`` = the
+per-signature plan cache (dsv4/ops/_plan.py), ``replay`` = plans that replay the provider's recorded trace)
+in the same process.
 """
 from __future__ import annotations
 
@@ -130,9 +135,12 @@ def record(case) -> list[Call]:
             calls[-1].ops.append(f"{self.name}:{ch.kind}")
         return orig_dispatch(self, problem, target, **args)
     registry.Op.dispatch = dispatch
+    from dsv4.ops import _plan
+    plans, _plan.ENABLED = _plan.ENABLED, False          # every call dispatches: the providers are recorded
     try:
         case.run()
     finally:
+        _plan.ENABLED = plans
         registry.Op.dispatch = orig_dispatch
         for m, k, v in patched:
             setattr(m, k, v)
@@ -140,37 +148,51 @@ def record(case) -> list[Call]:
 
 
 class _NullProviders:
-    """Inside the block every dispatch selects its provider as usual, then returns the output
-    that provider gave for the same call (recorded on entry) instead of running: what is left of
-    the call's time is the library's own (checks, validation, selection, op boundary)."""
+    """Inside the block every provider's ``run`` returns the output it gave for the same call
+    (recorded on entry) instead of running, the rest of the call path (checks, validation, selection,
+    op boundary, or the signature's plan) as usual: what is left of the call's time is the library's own."""
 
     def __init__(self, c: Call):
         from dsv4 import registry
-        self.registry, self.c, self.outs = registry, c, []
-        self._orig = registry.Op.dispatch
+        self.c, self.outs = c, []
+        self.providers = [p for op in registry.all_ops() for p in op._providers.values()
+                          if isinstance(p, registry.Provider)]
 
     def __enter__(self):
-        outs, orig = self.outs, self._orig
-
-        def capture(op, problem, target, **args):
-            r = orig(op, problem, target, **args)
-            outs.append(r)
-            return r
-        self.registry.Op.dispatch = capture
-        self.c.fn(*self.c.args, **self.c.kwargs)
+        from dsv4.ops import _plan
+        self.plan_mod, self.trace = _plan, _plan.TRACE
+        _plan.TRACE = False                          # plans call the (null) run, never a replay of the real one
+        _plan.clear()
+        outs = self.outs
+        for p in self.providers:                     # capture: the real run, its output kept
+            def capture(problem, _run=p.run, **args):
+                r = _run(problem, **args)
+                outs.append(r)
+                return r
+            p.run = capture
+        try:
+            self.c.fn(*self.c.args, **self.c.kwargs)
+        finally:
+            self._restore()
         it = [0]
 
-        def replay(op, problem, target, **args):
-            op.select(problem, target)
-            self.registry._getenv("DSV4_PRINT_LAYOUTS")          # what dispatch reads per call
+        def replay(problem, **args):
             r = outs[it[0] % len(outs)]
             it[0] += 1
             return r
-        self.registry.Op.dispatch = replay if outs else orig
+        if outs:
+            for p in self.providers:
+                p.run = replay
         return self
 
+    def _restore(self):
+        for p in self.providers:
+            p.__dict__.pop("run", None)
+
     def __exit__(self, *exc):
-        self.registry.Op.dispatch = self._orig
+        self._restore()
+        self.plan_mod.TRACE = self.trace
+        self.plan_mod.clear()
 
 
 class Stages:
@@ -179,7 +201,9 @@ class Stages:
     calls another, add to the same stages):
 
     * ``checks``: the public function's own Python (argument checks, :meth:`OpSpec.validate`, the
-      problem's inputs) = total - ``op_call``; ``validate`` = the part inside ``OpSpec.validate``;
+      problem's inputs) = total - ``op_call``; on a planned call (``dsv4/ops/_plan.py``: the signature's
+      plan skips checks, boundary and select) the key and the plan lookup = total - the provider's
+      ``run``; ``validate`` = the part inside ``OpSpec.validate``;
     * ``boundary``: calling the custom op until :meth:`Op.dispatch` (the dispatcher or the eager
       direct call, the problem, ``Target.of``) = ``op_call`` - ``dispatch``;
     * ``select``: :meth:`Op.select`; ``glue``: the provider's ``run`` less ``alloc`` and ``launch``;
@@ -193,7 +217,8 @@ class Stages:
     _ALLOC = ("empty", "zeros", "empty_like", "zeros_like", "full", "ones", "empty_strided", "full_like")
 
     def __init__(self):
-        self.t = dict.fromkeys(("total", "op_call", "dispatch", "select", "run", "validate", "alloc", "launch"), 0)
+        self.t = dict.fromkeys(("total", "op_call", "dispatch", "select", "run", "validate", "alloc", "launch",
+                                "run_direct"), 0)
         self.n = {"alloc": 0, "launch": 0}
         self.depth = dict.fromkeys(self.t, 0)
         self._undo = []
@@ -209,7 +234,10 @@ class Stages:
             try:
                 return f(*a, **k)
             finally:
-                st.t[stage] += clock() - t0
+                dt = clock() - t0
+                st.t[stage] += dt
+                if stage == "run" and not depth["op_call"]:   # a planned call (dsv4/ops/_plan.py): no op boundary
+                    st.t["run_direct"] += dt
                 depth[stage] = 0
                 if count:
                     st.n[stage] += 1
@@ -265,7 +293,7 @@ class Stages:
 
     def per_call(self, calls: int) -> dict:
         t = {k: v / calls / 1e3 for k, v in self.t.items()}
-        return {"checks_us": t["total"] - t["op_call"], "validate_us": t["validate"],
+        return {"checks_us": t["total"] - t["op_call"] - t["run_direct"], "validate_us": t["validate"],
                 "boundary_us": t["op_call"] - t["dispatch"], "select_us": t["select"],
                 "glue_us": t["run"] - t["alloc"] - t["launch"], "alloc_us": t["alloc"], "launch_us": t["launch"],
                 "n_alloc": self.n["alloc"] / calls, "n_launch": self.n["launch"] / calls, "staged_us": t["total"]}
@@ -317,16 +345,26 @@ def cprofile_call(c: Call, cuda: bool, top: int, iters: int = 300) -> str:
 
 #: ``--variants`` settings: name -> {flag: value}; flags are set by :func:`apply_flags`
 VARIANTS = {
-    "old": {"eager_direct": False},          # every op call through the torch.library dispatcher
-    "new": {"eager_direct": True},           # plain eager calls straight to the op's kernel (the default)
+    "old": {"eager_direct": False, "plans": False},   # every op call through the torch.library dispatcher
+    "direct": {"eager_direct": True, "plans": False},  # eager direct call, every check per call (eighth session)
+    "plan": {"eager_direct": True, "plans": True, "replay": False},   # + the per-signature plan cache
+    "replay": {"eager_direct": True, "plans": True, "replay": True},  # + the provider's run replayed from its trace
 }
 
 
 def apply_flags(flags: dict) -> dict:
     """Set the library's eager-path switches (returns the previous values): ``eager_direct``
-    (:data:`dsv4.registry.EAGER_DIRECT`)."""
+    (:data:`dsv4.registry.EAGER_DIRECT`), ``plans`` (:data:`dsv4.ops._plan.ENABLED`), ``replay``
+    (:data:`dsv4.ops._plan.TRACE`)."""
     from dsv4 import registry
+    from dsv4.ops import _plan
     prev = {}
+    if "plans" in flags:
+        prev["plans"], _plan.ENABLED = _plan.ENABLED, flags["plans"]
+    if "replay" in flags:
+        prev["replay"], _plan.TRACE = _plan.TRACE, flags["replay"]
+    if prev.get("plans") != flags.get("plans") or prev.get("replay") != flags.get("replay"):
+        _plan.clear()                                    # plans made under other switches
     if "eager_direct" in flags:
         prev["eager_direct"], registry.EAGER_DIRECT = registry.EAGER_DIRECT, flags["eager_direct"]
     return prev

@@ -13,8 +13,8 @@ Prefill: 8192 queries x 16384 entries, causal (the last 8192 tokens of a 65536-t
 and 8192 x 8192 full; TFLOP/s = 2 * 64 * 128 * allowed pairs / time vs the 1716 TFLOP/s FP8 peak;
 DeepGEMM ``fp8_mqa_logits`` with ``clean_logits=True`` (-inf outside the ranges, the same
 output contract as ours) and ``False``.
-Decode top-k op (``indexer_topk_paged``, its registry provider; the ``dsl`` one is fused: logits
-kernel with the selection-histogram epilogue + ``topk_select_kernel``): time vs logits alone
+Decode top-k op (``indexer_topk_paged``, its registry provider; the ``dsl`` one runs the logits
+kernel, then the top-k kernel): time vs logits alone
 (``topk_paged_over_logits``) and vs the two ops in sequence, ``indexer_logits_paged`` + ``topk``
 (``us_composed512``).
 

@@ -1,8 +1,10 @@
 """Benchmark the quantization ops on the H200: every GPU provider (the CuTe DSL ``kernels_dsl/quantize*.py``; the
 CUDA ``kernels_cuda/quantize.cu`` was deleted in the seventh session, job mem7-02) in one process.
 
-For each op, shape and provider: kernel time (CUDA-graph replay over rotating inputs larger than L2,
-so neither Python, launch overhead nor L2 flatters it), achieved bandwidth = (bytes read + written,
+For each op, shape and provider: kernel time (CUDA-graph replay of ``--graph-calls`` calls over rotating inputs
+larger than L2, so neither Python, launch overhead nor L2 flatters it; the graph's own launch latency is shared
+by those calls: with one call per rotating input, 2 at 8192^2, it added ~3 us to every call, job quant9-01),
+a torch copy of the same bytes timed the same way at 8192^2 ("copy same bytes"), achieved bandwidth = (bytes read + written,
 minimal traffic) / time against the device copy bandwidth measured in the same run, and for NVFP4 with
 a device amax the ratio to its two-read floor (x read twice + outputs, at copy bandwidth); the eager
 call time of the default provider (what a caller pays without graphs) and the torch reference.
@@ -22,6 +24,8 @@ from dsv4 import registry
 from dsv4.ops import dequantize_fp8_block, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 
 SHAPES = [(8192, 8192), (2048, 7168), (128, 7168), (16, 7168), (1, 7168)]
+#: calls per CUDA graph (cycling over the rotating inputs): amortizes the graph launch (event -> first kernel)
+GRAPH_CALLS = 24
 _GS = None
 #: DSL launch geometries timed by --sweep at 8192^2: kernel-config fields of kernels_dsl/quantize.py's plans
 #: (its OVERRIDE hook; every family that has the field takes it, dq_* = the dequantizer)
@@ -85,6 +89,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time the DSL launch geometries (SWEEP) at 8192^2")
     ap.add_argument("--reps", type=int, default=15, help="graph replays per timing (median)")
     ap.add_argument("--no-ref", action="store_true", help="skip the eager / torch-reference timings")
+    ap.add_argument("--graph-calls", type=int, default=GRAPH_CALLS, help="calls per CUDA graph (>= the input sets)")
     args = ap.parse_args()
     _GS = torch.tensor([0.0123], device="cuda")
     bw = copy_bandwidth()
@@ -95,6 +100,16 @@ def main():
     for (M, K) in shapes:
         xs = rotating(lambda i: _x(M, K, i), 2 * M * K)
         qs = [F.quantize_fp8_block(x, 128, "fp32") for x in xs]
+        n_calls = max(args.graph_calls, len(xs))
+        if M * K >= 1 << 24:      # the roofline at this size: a torch copy of the NVFP4 quantizer's bytes
+            nb = _nv_bytes(M, K) // 8 * 4
+            a_s = [torch.empty(nb // 4, dtype=torch.float32, device="cuda").uniform_() for _ in range(3)]
+            b_s = [torch.empty_like(a) for a in a_s]
+            t = time_graph([(lambda a=a, b=b: b.copy_(a)) for a, b in zip(a_s, b_s)], iters=n_calls, reps=args.reps)
+            rows.append({"op": "copy same bytes", "shape": f"{M}x{K}", "provider": "torch", "us_graph": t,
+                         "GBps": 2 * nb / (t * 1e-6) / 1e9, "pct_copy": 100 * 2 * nb / (t * 1e-6) / 1e9 / bw})
+            print(f"ROW {'copy same bytes':18s} {M:5d}x{K:<5d} torch {t:9.2f} us {rows[-1]['pct_copy']:5.1f}% copy", flush=True)
+            del a_s, b_s
         for name in names:
             op, kern, ref, nbytes, floor = OPS[name]
             src = qs if name.startswith("dequant") else xs
@@ -102,7 +117,7 @@ def main():
             for kind in _kinds(op):
                 try:
                     with registry.use({op: kind}):
-                        per[kind] = time_graph([(lambda a=a: kern(a)) for a in src], iters=len(src), reps=args.reps)
+                        per[kind] = time_graph([(lambda a=a: kern(a)) for a in src], iters=n_calls, reps=args.reps)
                 except registry.ProviderUnavailableError as e:
                     print(f"{name} {M}x{K}: {kind} unavailable: {e}")
             t_eager = t_ref = None
@@ -137,7 +152,8 @@ def main():
                 KQ.OVERRIDE.update(KQ.flat_override(sw))
                 try:
                     with registry.use({op: "dsl"}):
-                        t = time_graph([(lambda a=a: kern(a)) for a in src], iters=len(src), reps=args.reps)
+                        t = time_graph([(lambda a=a: kern(a)) for a in src], iters=max(args.graph_calls, len(src)),
+                                       reps=args.reps)
                 finally:
                     KQ.OVERRIDE.clear()
                 gbs = nbytes(M, K) / (t * 1e-6) / 1e9

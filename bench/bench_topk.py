@@ -17,7 +17,8 @@ import torch
 
 from bench._util import copy_bandwidth, save_json, time_graph
 
-SHAPES = [(64, 65536, 512), (64, 131072, 1024), (1, 129280, 1024), (128, 8192, 512), (32, 32768, 512)]
+SHAPES = [(64, 65536, 512), (64, 131072, 1024), (1, 129280, 1024), (128, 8192, 512), (32, 32768, 512),
+          (1, 32768, 512), (4, 65536, 512)]   # the last two: decode batches of 1-4 rows
 #: (cluster CTAs per row, threads, row slice in registers) timed besides the default, per shape
 ALTERNATIVES = {
     (64, 65536): [(2, 1024, False), (4, 1024, True), (8, 512, True)],
@@ -25,6 +26,8 @@ ALTERNATIVES = {
     (1, 129280): [(8, 1024, True), (16, 1024, True), (16, 512, True)],
     (128, 8192): [(1, 512, True), (1, 1024, True), (2, 256, True)],
     (32, 32768): [(2, 1024, True), (4, 1024, True), (4, 512, True)],
+    (1, 32768): [(2, 1024, True), (4, 512, True), (8, 512, True)],
+    (4, 65536): [(4, 1024, True), (8, 512, True)],
 }
 
 

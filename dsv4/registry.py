@@ -29,12 +29,16 @@ checks and its :meth:`~dsv4.layout.OpSpec.validate` (a generated checker), the o
 (:class:`CustomOp`: in plain eager mode a direct call of the op's Python kernel, else the
 ``torch.library`` dispatcher), then :meth:`Op.select` (two dict lookups: the choice is cached per
 target, forced kind and problem) and the provider's ``run``. A problem is a frozen dataclass
-(:class:`Problem`; a plain dict works too).
+(:class:`Problem`; a plain dict works too). In front of all that, each public op keeps a plan per
+signature of its arguments (``dsv4/ops/_plan.py``): a repeat call skips the checks, the boundary and
+the selection, and calls the recorded provider's ``run`` (or replays its recorded host trace,
+``dsv4/ops/_trace.py``). :func:`use`, ``DSV4_OPS`` and :meth:`Op.clear_cache` invalidate plans.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import os
 import threading
 from dataclasses import dataclass, field, replace
@@ -243,7 +247,9 @@ class Op:
         example_problem: ``f(target) -> problem`` used by ``dsv4 ops`` to show what would run.
 
     A provider's ``supports`` depends on the problem and the target only (the choice is cached on
-    them); what changes it otherwise calls :meth:`clear_cache`.
+    them); what changes it otherwise calls :meth:`clear_cache`. Likewise for what a provider's ``run``
+    does for one signature of its arguments when plans replay it (``dsv4/ops/_plan.py`` ``TRACE``):
+    a module switch changed at run time calls :meth:`clear_cache`.
     """
 
     def __init__(self, name: str, spec: Any, *, module: str | None = None,
@@ -362,6 +368,9 @@ class Op:
             from .layout import print_boundary
             print_boundary(self.spec, choice, args)
         _CONFIG[self.name] = None
+        rec = _tls.rec
+        if rec is not None:                   # the first call of a signature (dsv4/ops/_plan.py) records it
+            return rec.dispatched(self, p, choice, problem, args)
         return p.run(problem, **args)
 
     def record_config(self, config: Any) -> None:
@@ -386,6 +395,8 @@ class Op:
         other than the problem, e.g. ``kernels_cuda.moe_decode.override``)."""
         with self._lock:
             self._by_target.clear()
+        for f in _INVALIDATE:                 # the public ops' plans (dsv4/ops/_plan.py) hold choices too
+            f()
 
     def table(self, target: Target) -> list[dict]:
         """Rows for ``dsv4 ops``: each provider, whether it can run the example problem, and why
@@ -439,9 +450,17 @@ class _Overrides(threading.local):
 
     def __init__(self):
         self.stack: list[dict[str, str]] = []
+        #: identifies this thread's current stack: 0 = empty, else a number unique to one :func:`use`
+        #: block (part of the plan-cache key, dsv4/ops/_plan.py)
+        self.token = 0
+        #: the recorder of a public op's first call of a signature (dsv4/ops/_plan.py), else None
+        self.rec = None
 
 
 _tls = _Overrides()
+_TOKENS = itertools.count(1)
+#: called by :meth:`Op.clear_cache` (the plan caches of dsv4/ops/_plan.py register here)
+_INVALIDATE: list[Callable[[], None]] = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,8 +545,9 @@ class CustomOp:
         return fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # (a plan's recording runs the call under a dispatch mode: the op runs inside it, as in plain eager)
         if (EAGER_DIRECT and not kwargs and len(args) == self._nargs and not _is_compiling()
-                and _plain_eager(args, self._tensor_pos)):
+                and (_plain_eager(args, self._tensor_pos) or getattr(_tls.rec, "direct", False))):
             return self._fn(*args)
         return self._packet(*args, **kwargs)
 
@@ -653,12 +673,14 @@ def use(mapping: Mapping[str, str] | None = None, **ops: str) -> Iterator[None]:
         if v not in KINDS:
             raise ValueError(f"registry.use: provider for {k!r} must be one of {KINDS}, got {v!r}")
     _check_names(m, "registry.use")
-    stack = _tls.stack
+    stack, prev = _tls.stack, _tls.token
     stack.append(m)
+    _tls.token = next(_TOKENS)
     try:
         yield
     finally:
         stack.pop()
+        _tls.token = prev
 
 
 def _freeze(x: Any) -> Any:

@@ -1,12 +1,8 @@
-// Lightning Indexer (DSV4 CSA layers) on sm_90a: quantizers and logits on tensor cores.
+// Lightning Indexer (DSV4 CSA layers) on sm_90a: paged logits on tensor cores (NVFP4 keys).
 // Contract: docs/layouts/indexer_*.md (dsv4/ops/indexer.py). Math (dsv4_spec.md 2.4):
 //     I[r, s] = sum_h w[r, h] * ReLU(q[r, h] . K[s])        fp32, h = 0..63, dims = 128
 //
 // Kernels
-//   indexer_quant_kernel   one warp per 128-dim row: optional Sylvester-Hadamard (FWHT in fp32,
-//                          butterflies in-thread then __shfl_xor_sync, rounded to bf16), then MXFP4 / NVFP4 /
-//                          FP8 quantization; writes into the paged key cache (slot_mapping,
-//                          -1 = skip) or into the query buffers (FP8: scale folded into w).
 //   indexer_logits_kernel  (paged decode, NVFP4) one warpgroup (128 threads) per CTA; CTA = the
 //                          NQ = next_n query rows of one sequence x a chunk of keys. Keys are the
 //                          WGMMA M dimension (64 keys per tile), the NQ x 64 heads are the N
@@ -22,26 +18,24 @@
 // decode and every prefill run on the CuTe DSL kernels (kernels_dsl/indexer_paged.py decode,
 // indexer_prefill.py prefill; measured faster, docs/benchmarks.md). NVFP4 decode stays here: its
 // E2M1 x E4M3-scale products have no exact FP8 operand and the DSL decode kernel has only its FP8
-// register-sourced WGMMA path. The quantizer serves every format. Generic device helpers (smem
+// register-sourced WGMMA path. The quantizers (cache write, q quant) are the
+// CuTe DSL kernels of kernels_dsl/indexer_quant.py (this file's former one was deleted, job kv9-02). Generic device helpers (smem
 // addresses, cp.async, WGMMA wrappers, fwht128, E2M1 / UE8M0 encode) come from common.cuh.
 //
 // Macros: IDX_FMT (0 MXFP4, 1 NVFP4, 2 FP8; the logits kernel exists for 1 only), IDX_NQ (1..4 query rows per CTA),
 //         IDX_STAGES (cp.async ring),
-//         IDX_HADAMARD (quantizer: rotate first), IDX_MAX_CHUNK_TILES (decode: block-table
+//         IDX_MAX_CHUNK_TILES (decode: block-table
 //         entries prefetched to smem per CTA).
 #include "common.cuh"
 
 #ifndef IDX_FMT
-#define IDX_FMT 0
+#define IDX_FMT 1   // the one format the logits kernel serves (the provider always passes it)
 #endif
 #ifndef IDX_NQ
 #define IDX_NQ 1
 #endif
 #ifndef IDX_STAGES
 #define IDX_STAGES 4
-#endif
-#ifndef IDX_HADAMARD
-#define IDX_HADAMARD 0
 #endif
 
 #if IDX_FMT == 2
@@ -381,97 +375,3 @@ extern "C" __global__ void __launch_bounds__(128) indexer_logits_kernel(
   cp_async_wait<0>();
 }
 #endif  // IDX_FMT == 1: indexer_logits_kernel
-
-
-// ---------------------------------------------------------------------------------------
-// quantization (cache writer / query quantizer): one warp per 128-dim row; lane l holds
-// dims 4l..4l+3.
-//
-// Hadamard: fwht128 (common.cuh, DSV4 rotate_activation); E2M1 / UE8M0 encode: e2m1_code_rne,
-// ue8m0_byte_ceil (common.cuh).
-
-// mode 0: cache writer: row n -> slot_mapping[n] (skipped if < 0 or >= num_slots) in the paged cache.
-// mode 1: query quantizer: row n -> q_out + n*VB, sf_out + n*SB(q), w_out[n] (FP8 folds its scale).
-extern "C" __global__ void __launch_bounds__(128) indexer_quant_kernel(
-    const u16* __restrict__ x,          // [rows, 128] bf16 bits
-    const i64* __restrict__ slot_mapping,  // mode 0: [rows] int64
-    const float* __restrict__ gscale,   // NVFP4: [1] decode multiplier; else unused
-    u8* __restrict__ out,               // mode 0: cache base; mode 1: q values [rows, VB]
-    u8* __restrict__ sf_out,            // mode 1: q scales [rows, SB] (FP4 formats)
-    const float* __restrict__ w_in,     // mode 1: [rows] (= [T*64]) weights
-    float* __restrict__ w_out,          // mode 1: [rows]
-    i64 rows, i32 block_size, i32 mode,
-    i64 num_slots) {  // mode 0: num_blocks * block_size; slots outside [0, num_slots) are skipped
-  const int lane = threadIdx.x & 31;
-  const i64 n = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
-  if (n >= rows) return;
-  u8 *vdst, *sdst;
-  if (mode == 0) {
-    const i64 slot = __ldg(slot_mapping + n);
-    if (slot < 0 || slot >= num_slots) return;  // -1 = skip; out of range = skip (never written OOB)
-    const i64 b = slot / block_size, j = slot % block_size;
-    u8* base = out + b * block_size * IDX_BPT;
-    vdst = base + j * IDX_VB;
-    sdst = base + (i64)block_size * IDX_VB + j * IDX_SB;
-  } else {
-    vdst = out + n * IDX_VB;
-    sdst = sf_out + n * IDX_SB;
-  }
-  const u32x2 raw = *reinterpret_cast<const u32x2*>(x + n * 128 + lane * 4);
-  float v[4] = {bf16_lo_to_f32(raw.x), bf16_hi_to_f32(raw.x), bf16_lo_to_f32(raw.y), bf16_hi_to_f32(raw.y)};
-#if IDX_HADAMARD
-  fwht128(v, lane);
-#endif
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#if IDX_FMT == 0
-  // MXFP4 (DSV4 rule): s = 2^ceil(log2(max(amax, 6*2^-126) * fp32(1/6))), per 32 (8 lanes)
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-  amax = fmaxf(amax, 6.0f * 1.1754943508222875e-38f);
-  const u32 e = ue8m0_byte_ceil(amax * 0.16666667163372040f);
-  const float s = __uint_as_float(e << 23);
-  u32 codes = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) codes |= e2m1_code_rne(fminf(fmaxf(v[i] / s, -6.f), 6.f)) << (4 * i);
-  *reinterpret_cast<u16*>(vdst + lane * 2) = (u16)codes;
-  if ((lane & 7) == 0) sdst[lane >> 3] = (u8)e;
-#elif IDX_FMT == 1
-  // NVFP4 (dsv4/formats/nvfp4.py, TransformerEngine association order), per 16 (4 lanes):
-  //   g_enc = 1 / g_dec; s = e4m3(min(vmax * (g_enc * fp32(1/6)), 448));
-  //   enc = min(1 / (s * g_dec), FLT_MAX); code = e2m1(clamp(x * enc, -6, 6)); s == 0 -> sign only
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  const float g = __ldg(gscale);
-  const float g_enc = 1.0f / g;
-  const float mult = g_enc * __uint_as_float(0x3e2aaaabu);  // fp32(1/6)
-  const u32 sbyte = f32x2_to_e4m3x2(fminf(amax * mult, 448.0f), 0.f) & 0xFFu;
-  const float sf = e4m3_to_f32(sbyte);
-  const float enc = fminf(1.0f / (sf * g), 3.4028234663852886e38f);
-  u32 codes = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    u32 c = e2m1_code_rne(fminf(fmaxf(v[i] * enc, -6.f), 6.f));
-    if (sf == 0.f) c &= 8u;
-    codes |= c << (4 * i);
-  }
-  *reinterpret_cast<u16*>(vdst + lane * 2) = (u16)codes;
-  if ((lane & 3) == 0) sdst[lane >> 2] = (u8)sbyte;
-#else
-  // FP8 (DSV4 act_quant, ue8m0, block 128 = the whole row; DeepGEMM/V3.2 power-of-two scale):
-  //   s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), q = e4m3(clamp(x / s, -448, 448))
-  amax = warp_max(amax);
-  amax = fmaxf(amax, 1e-4f);
-  const float s = __uint_as_float(ue8m0_byte_ceil(amax * __uint_as_float(0x3b124925u)) << 23);
-  const u32 lo = f32x2_to_e4m3x2(v[0] / s, v[1] / s), hi = f32x2_to_e4m3x2(v[2] / s, v[3] / s);  // satfinite = clamp
-  *reinterpret_cast<u32*>(vdst + lane * 4) = lo | (hi << 16);
-  if (lane == 0 && mode == 0) *reinterpret_cast<float*>(sdst) = s;
-#endif
-  if (mode == 1 && lane == 0) {
-#if IDX_FMT == 2
-    w_out[n] = __ldg(w_in + n) * s;
-#else
-    w_out[n] = __ldg(w_in + n);
-#endif
-  }
-}

@@ -1,8 +1,8 @@
 """CUDA (NVRTC) providers for the Lightning Indexer ops: ``indexer.cu`` (helpers in ``common.cuh``).
 
-* ``indexer_cache_write`` / ``indexer_q_quant``: ``indexer_quant_kernel``, one warp per 128-dim
-  row (fp32 FWHT Hadamard by shuffles, the contract of dsv4.reference.hadamard; MXFP4 / NVFP4 / FP8 encode), one
-  launch. The only providers of these two ops.
+* ``indexer_cache_write`` / ``indexer_q_quant``: no cuda provider; the CuTe DSL quantizers
+  (kernels_dsl/indexer_quant.py) matched or beat this file's former warp-per-row kernel at every size
+  (job kv9-02) and it was deleted.
 * ``indexer_logits_paged`` (decode), **NVFP4 keys only**: ``indexer_logits_kernel``, the exact
   BF16 WGMMA path (E2M1 x E4M3 scale decoded exactly to BF16 in smem, wgmma m64nNk16, fused ReLU
   x w head sum), one launch, no host sync. MXFP4 and FP8 keys run on the CuTe DSL provider
@@ -96,40 +96,6 @@ class _Base(CudaProvider):
     arch_requirement = "WGMMA kernels are built for sm_90a only"
 
 
-class CudaCacheWrite(_Base):
-    describe = "indexer.cu indexer_quant_kernel: warp per row, shuffle FWHT, E2M1/E4M3 encode, paged store"
-
-    def run(self, problem, *, cache, k, slot_mapping, global_scale):
-        fmt = problem["fmt"]
-        n = k.shape[0]
-        if n == 0:
-            return None
-        mod = load("indexer.cu", IDX_FMT=_FMT[fmt], IDX_HADAMARD=int(problem["hadamard"]))
-        slot = slot_mapping.to(torch.int64)
-        g = global_scale if global_scale is not None else slot
-        launch(mod.kernel("indexer_quant_kernel"), (n + 3) // 4, 128, k, slot, g, cache, cache, slot, slot,
-               np.int64(n), np.int32(cache.shape[1]), np.int32(0), np.int64(cache.shape[0] * cache.shape[1]))
-        return None
-
-
-class CudaQQuant(_Base):
-    describe = "indexer.cu indexer_quant_kernel (mode 1): warp per (t, h) row"
-
-    def run(self, problem, *, q, w, global_scale):
-        from dsv4.ops.indexer import q_quant_outputs
-        fmt = problem["fmt"]
-        q_data, q_sf, w_out = q_quant_outputs(q, fmt)
-        rows = q.shape[0] * 64
-        if rows == 0:
-            return q_data, q_sf, w_out
-        mod = load("indexer.cu", IDX_FMT=_FMT[fmt], IDX_HADAMARD=int(problem["hadamard"]))
-        g = global_scale if global_scale is not None else w
-        sf = q_sf if fmt != "fp8" else q_data
-        launch(mod.kernel("indexer_quant_kernel"), (rows + 3) // 4, 128, q, w, g, q_data, sf, w, w_out,
-               np.int64(rows), np.int32(1), np.int32(1), np.int64(0))
-        return q_data, q_sf, w_out
-
-
 def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -177,7 +143,5 @@ class CudaPagedLogits(_Base):
 
 
 PROVIDERS = {
-    "indexer_cache_write": CudaCacheWrite,
-    "indexer_q_quant": CudaQQuant,
     "indexer_logits_paged": CudaPagedLogits,
 }

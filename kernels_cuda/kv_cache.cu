@@ -4,11 +4,6 @@
 // fp4_act_quant, rotate_activation, apply_rotary_emb).
 //
 // Kernels (all extern "C", one launch per op, no host sync):
-//   kv_append_kernel          one warp per token: 16 dims per lane (2 x 16 B loads), block-64
-//                             amax over 4 lanes (shfl_xor), UE8M0 scale, cvt.rn.satfinite
-//                             e4m3x2 packing, 16 B stores; 7 scales + pad gathered to lane 0
-//                             by shuffles and stored as one 8 B word. slot < 0 or >= n_slots
-//                             -> skipped.
 //   kv_gather_kernel          one warp per output row (SWA rows first, then compressed rows):
 //                             logical index -> block_table -> page; -1 / out-of-range / at or
 //                             past the request's length (lens[req]) -> zero row. 8 B E4M3 loads + one 8 B scale word, exact E4M3*2^k -> BF16,
@@ -28,10 +23,10 @@
 //
 // Macros: KVC_FMT (0 quantized: fp8_ds_mla for D=512 / MXFP4 for D=128; 1 BF16 fake-quant),
 //         KVC_D (512 | 128), KVC_RATIO (4 | 128), KVC_IDX64 (slot_mapping / positions int64),
-//         tuning: KVC_ONLINE, KVC_GATHER_RPW, KVC_APPEND_TPW (see below; the provider passes
+//         tuning: KVC_ONLINE, KVC_GATHER_RPW (see below; the provider passes
 //         kernels_cuda/kv_cache.py DEFAULTS). Measured on the H200 (docs/benchmarks.md): the
 //         branch-free online softmax (KVC_ONLINE 1/2) is 1.5x faster than the branchy one (0) on
-//         prefill (divergent expf on both paths); 2 or 4 rows / tokens per warp did not help.
+//         prefill (divergent expf on both paths); 2 or 4 gather rows per warp did not help.
 #include "kv_cache.cuh"
 
 #ifndef KVC_FMT
@@ -52,9 +47,6 @@
 #endif
 #ifndef KVC_GATHER_RPW  // gather: output rows per warp
 #define KVC_GATHER_RPW 1
-#endif
-#ifndef KVC_APPEND_TPW  // append: tokens per warp
-#define KVC_APPEND_TPW 1
 #endif
 
 #if KVC_IDX64
@@ -83,93 +75,6 @@ typedef i32 idx_t;
 #if (R != 4) && (R != 128)
 #error "KVC_RATIO must be 4 (CSA) or 128 (HCA)"
 #endif
-
-// =======================================================================================
-// append: kv [N, 512] bf16 -> cache at slot_mapping[n]
-// one token's work after its two 16 B loads (lane: dims 16*lane .. 16*lane + 15)
-DSV4_DEVICE void kvc_append_token(u32x4 a, u32x4 b, i64 slot, u8* __restrict__ cache, i32 block_size, int lane) {
-  const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  float f[16];
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    f[2 * i] = bf16_lo_to_f32(w[i]);
-    f[2 * i + 1] = bf16_hi_to_f32(w[i]);
-    amax = fmaxf(amax, fmaxf(finite_abs(f[2 * i]), finite_abs(f[2 * i + 1])));
-  }
-  amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 1));  // 4 lanes = 64 dims
-  amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL, amax, 2));
-  const u32 sb = kvc_fp8_scale_byte(amax);
-  const float s = exp2_byte(sb);
-  u32 q[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    q[i] = f32x4_to_e4m3x4(__fdiv_rn(f[4 * i], s), __fdiv_rn(f[4 * i + 1], s), __fdiv_rn(f[4 * i + 2], s),
-                      __fdiv_rn(f[4 * i + 3], s));
-  const i64 page = slot / block_size, off = slot - page * block_size;
-#if KVC_FMT == 0
-  u8* base = cache + page * (i64)block_size * KVC_TOKEN_B;
-  u8* data = base + off * KVC_DATA_B;
-  if (lane < 28) {
-    st_global_v4(data + lane * 16, u32x4{q[0], q[1], q[2], q[3]});
-  } else {
-    st_global_v4(data + KVC_NOPE + (lane - 28) * 32, a);
-    st_global_v4(data + KVC_NOPE + (lane - 28) * 32 + 16, b);
-  }
-  // gather the 7 scale bytes (lanes 0, 4, ..., 24) into lane 0; byte 7 = pad = 0
-  u32 lo = 0, hi = 0;
-#pragma unroll
-  for (int g = 0; g < 7; ++g) {
-    const u32 v = __shfl_sync(KVC_FULL, sb, 4 * g);
-    if (g < 4) lo |= v << (8 * g); else hi |= v << (8 * (g - 4));
-  }
-  if (lane == 0) st_global_v2(base + (i64)block_size * KVC_DATA_B + off * KVC_SF_B, u32x2{lo, hi});
-#else
-  u8* dst = cache + slot * 1024 + lane * 32;
-  if (lane < 28) {  // fake-quant: e4m3(x / s) * s, exact in bf16
-    u32 o[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float x0, x1, x2, x3;
-      e4m3x2_to_f32x2(q[i] & 0xFFFFu, x0, x1);
-      e4m3x2_to_f32x2(q[i] >> 16, x2, x3);
-      o[2 * i] = pack_bf16x2(x0 * s, x1 * s);
-      o[2 * i + 1] = pack_bf16x2(x2 * s, x3 * s);
-    }
-    st_global_v4(dst, u32x4{o[0], o[1], o[2], o[3]});
-    st_global_v4(dst + 16, u32x4{o[4], o[5], o[6], o[7]});
-  } else {
-    st_global_v4(dst, a);
-    st_global_v4(dst + 16, b);
-  }
-#endif
-}
-
-// KVC_APPEND_TPW tokens per warp: all loads first, then quantize + store
-extern "C" __global__ void __launch_bounds__(256) kv_append_kernel(
-    const u8* __restrict__ kv,            // [N, 512] bf16
-    const idx_t* __restrict__ slots,      // [N], -1 = skip
-    u8* __restrict__ cache,               // fmt 0: [nb, bs * 584] u8; fmt 1: [nb, bs, 512] bf16
-    i64 n_tokens, i32 block_size, i64 n_slots) {
-  const int lane = threadIdx.x & 31;
-  const i64 n0 = ((i64)blockIdx.x * 8 + (threadIdx.x >> 5)) * KVC_APPEND_TPW;
-  i64 slot[KVC_APPEND_TPW];
-  u32x4 a[KVC_APPEND_TPW], b[KVC_APPEND_TPW];
-#pragma unroll
-  for (int k = 0; k < KVC_APPEND_TPW; ++k) {
-    const i64 n = n0 + k;
-    slot[k] = n < n_tokens ? (i64)__ldg(slots + n) : -1;
-    if (slot[k] >= n_slots) slot[k] = -1;              // out of range: skipped (warp-uniform)
-    if (slot[k] >= 0) {
-      const u8* src = kv + n * 1024 + lane * 32;
-      a[k] = ld_global_nc_v4(src);
-      b[k] = ld_global_nc_v4(src + 16);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < KVC_APPEND_TPW; ++k)
-    if (slot[k] >= 0) kvc_append_token(a[k], b[k], slot[k], cache, block_size, lane);
-}
 
 // =======================================================================================
 // gather: out[t, k] = dequant(row) for k < W from the SWA cache (swa_idx), else from the

@@ -1,9 +1,11 @@
 """CUDA (NVRTC) providers for the DSV4 KV cache ops: ``kv_cache.cu`` (+ ``kv_cache.cuh``).
 
-``kv_cache_append`` / ``kv_gather``: the CuTe DSL providers (``kernels_dsl/kv_cache.py``) come
-first and were measured faster (H200 2026-12-01, docs/benchmarks.md); these kernels remain the
-path for caches / outputs over 2^31 32-bit words (8 GiB), which the DSL kernels' int32 flat
-extents do not cover (to delete once the DSL ones take 64-bit extents).
+``kv_cache_append`` has no CUDA provider: the CuTe DSL kernel (``kernels_dsl/kv_cache.py``, 64-bit
+addresses) beat the deleted ``kv_append_kernel`` at every size, caches over 8 GiB included (H200
+2026-12-02, job kv9-01: prefill 32k random slots 15.4 vs 21.3 us, decode B=128 1.77 vs 2.60 us).
+``kv_gather``: the DSL provider comes first and was measured faster (docs/benchmarks.md); this
+kernel remains the path for caches / outputs over 2^31 32-bit words (8 GiB), which the DSL gather
+kernel's int32 flat extents do not cover (to delete once it takes 64-bit extents).
 The compressors (``kv_compress_prefill`` / ``kv_compress_decode``) have no DSL provider yet:
 warp-level prefix scans (entry -> ragged sequence), online softmax with pinned fp32 rounding
 shared bit-for-bit by prefill and decode, shuffle reductions over 4/8/16-lane groups.
@@ -13,8 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-
 
 from ._provider import CudaProvider
 from .nvrtc import launch, load
@@ -27,9 +27,9 @@ def _ptr(t):
     return t if t is not None else _NULL
 
 
-#: Tuning macros of kv_cache.cu (KVC_ONLINE, KVC_GATHER_RPW, KVC_APPEND_TPW); empty = the .cu
-#: defaults. Benchmarks set entries to time variants; launch grids follow RPW / TPW.
-DEFAULTS: dict[str, int] = {"KVC_ONLINE": 2, "KVC_GATHER_RPW": 1, "KVC_APPEND_TPW": 1}
+#: Tuning macros of kv_cache.cu (KVC_ONLINE, KVC_GATHER_RPW); empty = the .cu defaults.
+#: Benchmarks set entries to time variants; launch grids follow RPW.
+DEFAULTS: dict[str, int] = {"KVC_ONLINE": 2, "KVC_GATHER_RPW": 1}
 VARIANT: dict[str, int] = {}
 
 
@@ -50,20 +50,6 @@ def _bs(cache: torch.Tensor, d: int) -> int:
 
 class _Cuda(CudaProvider):
     pass
-
-
-class CudaKvCacheAppend(_Cuda):
-    describe = "kv_cache.cu kv_append_kernel: warp per token, shfl amax, cvt e4m3x2, 16 B stores"
-
-    def run(self, problem, *, cache, kv, slot_mapping):
-        n = kv.shape[0]
-        if n == 0:
-            return
-        bs = _bs(cache, 512)
-        mod = _module(problem["fmt"], idx64=slot_mapping.dtype == torch.int64)
-        per_cta = 8 * _tune("KVC_APPEND_TPW")
-        launch(mod.kernel("kv_append_kernel"), (n + per_cta - 1) // per_cta, 256, kv, slot_mapping, cache, np.int64(n),
-               np.int32(bs), np.int64(cache.shape[0] * bs))
 
 
 class CudaKvGather(_Cuda):
@@ -138,7 +124,6 @@ class CudaKvCompressDecode(_Cuda):
 
 
 PROVIDERS = {
-    "kv_cache_append": CudaKvCacheAppend,
     "kv_gather": CudaKvGather,
     "kv_compress_prefill": CudaKvCompressPrefill,
     "kv_compress_decode": CudaKvCompressDecode,

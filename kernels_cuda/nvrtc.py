@@ -294,6 +294,8 @@ def launch(kernel: Any, grid: Iterable[int] | int, block: Iterable[int] | int, *
     9.4 us for 3 / 8 / 18 arguments vs cuda.core's 6.4 / 7.6 / 9.7 us; both exact, cluster launches
     and graph capture included).
     """
+    if _launch_hook is not None:                         # a plan records this run (dsv4/ops/_trace.py)
+        _launch_hook(kernel, grid, block, args, smem, cluster)
     conv = list(args)
     for i, a in enumerate(conv):
         t = type(a)
@@ -303,6 +305,10 @@ def launch(kernel: Any, grid: Iterable[int] | int, block: Iterable[int] | int, *
             raise TypeError(f"kernel argument {i} is a bare Python {t.__name__}; "
                             "pass np.int32/np.int64/np.float32 to make its width explicit")
     _core_launch(_stream(), _config(grid, block, int(smem), cluster), kernel, *conv)
+
+
+#: set while a plan records a provider's run (dsv4/ops/_trace.py): called with every launch's arguments
+_launch_hook: Any = None
 
 
 def _core_launch(*a: Any) -> None:

@@ -44,8 +44,7 @@
 // votes has a block-uniform trip count; element predicates are data, never control flow around
 // a barrier.
 //
-// Macros: TOPK_SELECT (defined: also build topk_select_kernel, bottom of the file; needs TOPK_CLUSTER 1),
-// TOPK_THREADS (256/512/1024), TOPK_CLUSTER (1/2/4/8/16 CTAs per row), TOPK_CAP (candidate
+// Macros: TOPK_THREADS (256/512/1024), TOPK_CLUSTER (1/2/4/8/16 CTAs per row), TOPK_CAP (candidate
 // buffer entries, >= 2048), TOPK_VEC (1: 16-byte loads, needs 16 B aligned rows; 0: scalar loads),
 // TOPK_RES (1: every CTA's slice of the row is at most one tile of TOPK_THREADS * 16 positions).
 #include "common.cuh"
@@ -96,7 +95,7 @@ struct TopkSmem {
   u32 n_sel, n_cand;          // adjacent, 8-byte aligned: one 64-bit atomic reserves both (pass B)
   u32 and_hi, or_hi, total, res_above, res_cnt;  // and/or: of b0 keys
   int res_bin;
-  u32 gb_sel, gb_cand, last;  // streamed pass B / topk_select_kernel: reservation bases; the last-CTA flag
+  u32 gb_sel, gb_cand, last;  // streamed pass B: reservation bases; last: unused
   u32 ctot[16];               // reduce-scatter merge: every CTA's merged chunk total (cluster rank order)
   u64 base;                   // pass B: this tile's reservation (n_cand << 32 | n_sel before it)
   u64 cmin, cmax;             // sort: composite range of the selected entries
@@ -576,7 +575,7 @@ DSV4_DEVICE i32 map_pos(int p, const i32* __restrict__ bt, i32 has_bt, i32 block
 // of bin b0 (S.n_cand, if store_cand), S.and_hi / S.or_hi the AND / OR of the b0 keys. Pins the
 // threshold inside b0 (the selected b0 entries join S.sel), orders the selected composites
 // (sorted: by score; else by position) and writes the row. S.cmin / S.cmax must be ~0 / 0 on entry.
-// Block-uniform control flow (contains barriers); shared by topk_kernel and topk_select_kernel.
+// Block-uniform control flow (contains barriers).
 DSV4_DEVICE void finish_row(TopkSmem& S, const float* __restrict__ rowp, i64 row, int lo, int hi, int b0,
                             u32 above0, bool all_b0, bool store_cand, i32 k, i32 sorted,
                             const i32* __restrict__ block_table, i64 bt_stride, i32 block_size, i32 rows_per_seq,
@@ -843,121 +842,3 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_kerne
   finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, sorted, block_table, bt_stride, block_size,
              rows_per_seq, has_bt, num_blocks, out_idx, out_score);
 }
-
-
-// ------------------------------------------------------------------------------------------
-// topk_select_kernel: the same selection from a PRECOMPUTED bucket histogram (no pass A), with
-// `splits` independent CTAs per row (no cluster) so that a small batch fills the GPU.
-//   hist [rows, 2048]: per row the count of selectable entries per bucket (bucket = decode() above;
-//     kernels_dsl/indexer_paged.py's histogram epilogue computes exactly this while it writes the
-//     logits). Every CTA of a row finds b0 from it (identical result in every CTA).
-//   pass B on the CTA's slice of the row into its OWN shared buffers (warp-aggregated shared
-//     atomics: no remote counter), then one global atomicAdd per CTA and stream reserves a range
-//     of the row's global buffers gsel [rows, KMAX] / gcand [rows, CAP], copied there coalesced.
-//   ticket: barrier, then thread 0: __threadfence + atomicAdd on ctl[row].ticket (+ fence); the last
-//     CTA of the row gathers the global buffers into its shared memory and runs finish_row (refine,
-//     order, map, write).
-// ctl [rows, 8] u32 = {n_sel, n_cand, and, or, ticket, -, -, -} must be ZERO on entry (the provider
-// zeroes hist and ctl with one memset, a graph node). The selected set is {C >= C_k} as in
-// topk_kernel: bitwise the same output for any `splits`.
-#if TOPK_CLUSTER == 1 && defined(TOPK_SELECT)
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MINB) topk_select_kernel(
-    const float* __restrict__ logits, i64 row_stride, i32 ncols,
-    const i32* __restrict__ lengths,       // [rows] end of the valid range (clamped to [0, ncols])
-    const i32* __restrict__ block_table, i64 bt_stride, i32 block_size, i32 rows_per_seq, i32 has_bt,
-    i32 num_blocks, i32 k, i32 sorted, i32 rows, i32 splits,
-    const u32* __restrict__ hist,          // [rows, 2048]
-    u32* __restrict__ ctl,                 // [rows, 8], zero on entry
-    u64* __restrict__ gsel,                // [rows, KMAX] scratch
-    u64* __restrict__ gcand,               // [rows, CAP] scratch
-    i32* __restrict__ out_idx, float* __restrict__ out_score) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  TopkSmem& S = *reinterpret_cast<TopkSmem*>(smem_raw);
-  const int tid = threadIdx.x, lane = tid & 31;
-  const i64 row = blockIdx.x / splits;
-  const int part = blockIdx.x - (int)row * splits;
-  if (row >= rows) return;  // block-uniform
-
-  int hi = lengths[row];
-  hi = hi < 0 ? 0 : (hi > ncols ? ncols : hi);
-  const int lo = 0;
-  const float* __restrict__ rowp = logits + row * row_stride;
-  const u32 kk0 = (u32)k;
-  u32* __restrict__ cr = ctl + row * 8;
-
-  const int g_lo = 0, g_hi = (hi + 3) >> 2, ng = g_hi - g_lo;
-  const int per = (ng + splits - 1) / splits;
-  const int my_lo = g_lo + min(part * per, ng);
-  const int my_hi = g_lo + min(part * per + per, ng);
-
-  init_counters(S);
-  u32 c[TOPK_BPT];
-  {
-    const u32* __restrict__ hrow = hist + row * TOPK_NBINS;
-#pragma unroll
-    for (int j = 0; j < TOPK_BPT; ++j) c[j] = __ldcg(hrow + (TOPK_NBINS - 1 - (tid * TOPK_BPT + j)));
-  }
-  select_bin(S, c, kk0, nullptr);  // its barriers also publish the counters initialized above
-  const int b0 = S.res_bin;
-  const u32 above0 = S.res_above, cnt0 = S.res_cnt;
-  const bool all_b0 = (b0 < 0) || (above0 + cnt0 == kk0);
-  const bool store_cand = !all_b0 && cnt0 <= (u32)TOPK_CAP;
-
-  // ---- pass B on this slice, into this CTA's shared buffers
-  {
-    u32 w[TOPK_UNROLL][4];
-    pass_b<false>(S, rowp, w, my_lo, my_hi, lo, hi, b0, all_b0, store_cand, 0u);
-  }
-  __syncthreads();
-  const u32 ns = min(S.n_sel, (u32)TOPK_KMAX), nc = store_cand ? min(S.n_cand, (u32)TOPK_CAP) : 0u;
-  if (tid == 0) {
-    // one 64-bit atomic reserves both ranges: ctl[0] = selected count, ctl[1] = candidate count
-    const u64 old = (ns | nc) ? atomicAdd(reinterpret_cast<unsigned long long*>(cr), ((u64)nc << 32) | ns) : 0ull;
-    S.gb_sel = (u32)old;
-    S.gb_cand = (u32)(old >> 32);
-    if (!all_b0) {
-      if (S.and_hi != 0xFFFFFFFFu) atomicOr(cr + 2, ~S.and_hi);  // ctl starts at 0: OR of the complements
-      if (S.or_hi != 0u) atomicOr(cr + 3, S.or_hi);
-    }
-  }
-  __syncthreads();
-  {
-    const u32 bs = S.gb_sel, bc = S.gb_cand;
-    u64* __restrict__ ds = gsel + row * TOPK_KMAX;
-    u64* __restrict__ dc = gcand + row * (i64)TOPK_CAP;
-    for (u32 i = tid; i < ns; i += TOPK_THREADS)
-      if (bs + i < (u32)TOPK_KMAX) __stcg(ds + bs + i, S.sel[i]);
-    for (u32 i = tid; i < nc; i += TOPK_THREADS)
-      if (bc + i < (u32)TOPK_CAP) __stcg(dc + bc + i, S.cand[i]);
-  }
-  __syncthreads();  // the CTA's copies are ordered before thread 0's fence (cumulative) + ticket
-  if (tid == 0) {
-    __threadfence();
-    S.last = (atomicAdd(cr + 4, 1u) == (u32)(splits - 1)) ? 1u : 0u;
-    __threadfence();
-  }
-  __syncthreads();
-  if (!S.last) return;  // block-uniform
-
-  // ---- last CTA of the row: gather every CTA's entries, then refine + order + write
-  const u32 ts = min(__ldcg(cr + 0), (u32)TOPK_KMAX);
-  const u32 tc = store_cand ? min(__ldcg(cr + 1), (u32)TOPK_CAP) : 0u;
-  const u32 and_g = ~__ldcg(cr + 2), or_g = __ldcg(cr + 3);
-  {
-    const u64* __restrict__ ss = gsel + row * TOPK_KMAX;
-    const u64* __restrict__ sc = gcand + row * (i64)TOPK_CAP;
-    for (u32 i = tid; i < ts; i += TOPK_THREADS) S.sel[i] = __ldcg(ss + i);
-    for (u32 i = tid; i < tc; i += TOPK_THREADS) S.cand[i] = __ldcg(sc + i);
-  }
-  __syncthreads();  // everyone has read S.n_sel / S.and_hi above
-  if (tid == 0) {
-    S.n_sel = ts;
-    S.n_cand = tc;
-    S.and_hi = and_g;
-    S.or_hi = or_g;
-  }
-  __syncthreads();
-  finish_row(S, rowp, row, lo, hi, b0, above0, all_b0, store_cand, k, sorted, block_table, bt_stride, block_size,
-             rows_per_seq, has_bt, num_blocks, out_idx, out_score);
-}
-#endif

@@ -8,8 +8,8 @@ the data.
 
 Order contract of ``sorted=False`` (the op's default since issue 15): ascending position (logical
 positions, before the block_table mapping), padding last -- a function of the selected set only,
-never of atomic arrival order, so bitwise the same across runs, launch configurations, this kernel,
-``topk_select_kernel`` and the torch reference: the row's leader orders its gathered selected set
+never of atomic arrival order, so bitwise the same across runs, launch configurations and the torch
+reference: the row's leader orders its gathered selected set
 with a bitmap of the row's positions (one bit per entry, per-word prefix counts from one block scan;
 each entry's slot = the prefix of its word + the set bits below it). Measured and deleted (job
 topk8-01): every CTA of a register-resident cluster writing its own entries in position order after a
@@ -22,18 +22,11 @@ cluster (up to 8 CTAs per row, DSMEM histogram merge) whose slices fit one regis
 for 1-4 rows of up to 128k; rows too long for that: 2-CTA clusters that stream the row twice (the
 second pass mostly hits L1/L2); more rows than SMs: one 512-thread CTA per row, two passes.
 
-``topk_select_cuda`` (``topk_select_kernel``, built with ``TOPK_SELECT``) is the selection stage of
-the fused ``indexer_topk_paged`` (kernels_dsl/indexer.py ``DslTopkPagedFused``): the same selection
-from per-row bucket histograms that the decode logits kernel accumulated while writing the logits
-(no histogram pass), ``select_splits`` independent CTAs per row, the row's last CTA (atomic
-ticket) orders and writes; bitwise the ``topk_kernel`` output on the same logits.
-
 Why CUDA and not the CuTe DSL (the wall, stated in :meth:`CudaTopk.supports_problem`): it is NOT a
 missing primitive -- CuTe DSL 4.8 has ballot / popc / shuffles / shared atomics (``cute.arch``) and
 inline PTX for ``mapa`` / ``atom.shared::cluster``. The kernel is warp-synchronous integer code with
-data-dependent, block-uniform loops and no TMA / WGMMA part for the DSL's layouts to help with, and
-``finish_row`` is shared with ``topk_select_kernel`` so that the fused ``indexer_topk_paged`` stays
-bitwise equal to this op. A DSL port is open work (issue 15 item 3), not a wall of the language.
+data-dependent, block-uniform loops and no TMA / WGMMA part for the DSL's layouts to help with. A DSL
+port is open work (issue 15 item 3), not a wall of the language.
 """
 from __future__ import annotations
 
@@ -56,7 +49,7 @@ _smem_ready: set[int] = set()
 
 
 def smem_bytes(cap: int = CAP) -> int:
-    """Dynamic shared memory of ``topk_kernel`` / ``topk_select_kernel`` (TOPK_SMEM_BASE in topk.cu)."""
+    """Dynamic shared memory of ``topk_kernel`` (TOPK_SMEM_BASE in topk.cu)."""
     return 8 * KMAX + 8 * cap + 8 * NBINS + 512
 
 
@@ -206,69 +199,6 @@ def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, 
     return out_idx, out_sc
 
 
-#: entries of the per-row control block after the histogram in a select workspace (topk.cu ctl)
-CTL = 8
-
-
-def select_workspace(rows: int, device) -> torch.Tensor:
-    """Zeroed int32 ``[rows * (2048 + 8)]``: the per-row bucket histograms ``[rows, 2048]`` that the
-    logits kernel's histogram epilogue accumulates (kernels_dsl/indexer_paged.py, ``hist=True``),
-    then the ``[rows, 8]`` control words of ``topk_select_kernel``. One memset (a graph node)."""
-    return torch.zeros(rows * (NBINS + CTL), dtype=torch.int32, device=device)
-
-
-#: CTAs per SM that ``select_splits`` aims at (jobs fused-01 / fused-02, B=32 x 32768: 4 CTAs per
-#: row 66.4 us for the fused op, 2: 69.5 us, 8: 71.0 us)
-SPLIT_CTAS_PER_SM = 1
-
-
-def select_splits(rows: int, ncols: int, sm_count: int) -> int:
-    """CTAs per row of ``topk_select_kernel``: :data:`SPLIT_CTAS_PER_SM` CTAs per SM over the batch,
-    >= 2048 positions each, at most 16."""
-    s = max(1, (SPLIT_CTAS_PER_SM * sm_count) // max(rows, 1))
-    return max(1, min(s, 16, -(-ncols // 2048)))
-
-
-def topk_select_cuda(logits: torch.Tensor, lengths: torch.Tensor, ws: torch.Tensor, k: int, block_table=None,
-                     block_size: int = 0, rows_per_seq: int = 1, *, splits: int | None = None,
-                     threads: int = 512, num_blocks: int | None = None,
-                     sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk_select_kernel``: the ``topk`` op's selection (decode rows ``[0, lengths)``) from the
-    bucket histograms already in ``ws`` (:func:`select_workspace`, filled by the logits kernel; its
-    control words must still be zero) -- no histogram pass, ``splits`` CTAs per row, the last CTA of
-    each row refines, sorts and writes. Same output, bitwise, as :func:`topk_cuda` on the same logits
-    (``logits`` fp32 ``[rows, ncols]`` with 16-byte aligned rows, unit inner stride). ``ws`` is
-    consumed: its control words are no longer zero afterwards (one workspace per call)."""
-    rows, ncols = logits.shape
-    dev = logits.device
-    out_idx, out_sc = _outputs(rows, k, dev)
-    if rows == 0:
-        return out_idx, out_sc
-    row_stride = logits.stride(0) if rows > 1 else ncols
-    if logits.data_ptr() % 16 or row_stride % 4 or logits.stride(1) != 1:
-        raise ValueError("topk_select_cuda: logits rows must be 16-byte aligned and unit-stride")
-    if ws.numel() < rows * (NBINS + CTL) or ws.dtype != torch.int32:
-        raise ValueError(f"topk_select_cuda: ws must be int32 with >= {rows * (NBINS + CTL)} entries")
-    if splits is None:
-        from dsv4.target import Target
-        splits = select_splits(rows, ncols, Target.of(dev).sm_count or 132)
-    mod = load("topk.cu", TOPK_SELECT=1, TOPK_CLUSTER=1, TOPK_THREADS=threads, TOPK_CAP=CAP, TOPK_VEC=1, TOPK_RES=0)
-    kern = _kernel(mod, "topk_select_kernel")
-    hist = ws[: rows * NBINS]
-    ctl = ws[rows * NBINS: rows * (NBINS + CTL)]
-    gsel = torch.empty((rows, KMAX), dtype=torch.int64, device=dev)
-    gcand = torch.empty((rows, CAP), dtype=torch.int64, device=dev)
-    has_bt = block_table is not None
-    bt_stride = block_table.stride(0) if has_bt and block_table.shape[0] > 1 else (block_table.shape[1] if has_bt else 0)
-    args = (logits, np.int64(row_stride), np.int32(ncols), lengths,
-            block_table if has_bt else lengths, np.int64(bt_stride), np.int32(block_size if has_bt else 1),
-            np.int32(rows_per_seq), np.int32(has_bt), np.int32(_num_blocks(num_blocks)),
-            np.int32(k), np.int32(bool(sorted)), np.int32(rows), np.int32(splits), hist, ctl, gsel, gcand, out_idx,
-            out_sc)
-    launch(kern, rows * splits, threads, *args, smem=smem_bytes())
-    return out_idx, out_sc
-
-
 class CudaTopk(CudaProvider):
     describe = ("topk.cu: shape-adaptive radix select (1 CTA/row, row in registers; or a cluster of up to 16 CTAs/row), "
                 "rank refinement, bucket-segment sort")
@@ -277,8 +207,8 @@ class CudaTopk(CudaProvider):
     def supports_problem(self, problem):
         if not 1 <= problem["k"] <= KMAX:
             return Support.no(f"cuda: k={problem['k']} outside 1..{KMAX}")
-        return Support.yes("sm_90a, k <= 2048 (CUDA, not a DSL wall: the select code is shared bitwise with the "
-                           "fused indexer_topk_paged; DSL port open, see kernels_cuda/topk.py)")
+        return Support.yes("sm_90a, k <= 2048 (CUDA, not a DSL wall: warp-synchronous integer code on cluster DSMEM; "
+                           "DSL port open, see kernels_cuda/topk.py)")
 
     def run(self, problem, *, logits, lengths, k, starts, block_table, block_size, rows_per_seq, sorted=False,
             num_blocks=None):

@@ -149,6 +149,9 @@ def set_fast_call(on: bool | None) -> bool:
     if on and not tvm_ffi_available():
         raise RuntimeError(f"the TVM-FFI call path needs apache-tvm-ffi: {tvm_ffi_available().reason}")
     _FAST = None if on is None else bool(on)
+    from dsv4 import registry
+    for f in registry._INVALIDATE:        # the eager plans' replays call the kernels of the previous path
+        f()
     return prev
 
 
@@ -239,7 +242,7 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, disk: bool = True
     fn = _cache.get(ck)
     if fn is not None:
         _stats["hits"] += 1
-        return fn
+        return fn if _launch_hook is None else _launch_hook(fn)
     use_disk = disk and env_flag("DSV4_DSL_DISK_CACHE")
     with _lock:
         fn = _cache.get(ck)
@@ -255,7 +258,12 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, disk: bool = True
                     _disk_store(name, compiled, fast)
                 fn = _callable(compiled) if fast else compiled
             _cache[ck] = fn
-    return fn
+    return fn if _launch_hook is None else _launch_hook(fn)
+
+
+#: set while a plan records a provider's run (dsv4/ops/_trace.py): ``hook(fn) -> fn`` wraps the compiled
+#: kernel handed out so that its launches are recorded (None: the kernel itself)
+_launch_hook: Callable[[Any], Any] | None = None
 
 
 def stats() -> dict:

@@ -35,6 +35,7 @@ try:  # the DSL is optional at import time: the provider then reports "unavailab
     from cutlass import Float32, Int32, Int64, Uint8, Uint32
     from cutlass.memory import SmemAllocator
 
+    from ._quantize_ptx import pdl_epilogue, pdl_launch_kw, pdl_prologue
     from .sm90 import fp4
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
@@ -45,7 +46,7 @@ __all__ = ["DequantFp4Config", "DequantFp4Kernel", "DslDequantFp4", "PROVIDERS",
 #: Scale block size (values per scale factor) of each format.
 SF = {"mxfp4": 32, "nvfp4": 16}
 #: What every compiled variant's PTX must contain (checked by tests/test_compile_dsl.py).
-PTX_PATTERNS = (r"prmt\.b32", r"ld\.global\.nc\.v4\.(b|u)32", r"st\.global\.v4\.(b|u)32")
+PTX_PATTERNS = (r"prmt\.b32", r"ld\.global\.nc\.v4\.(b|u)32", r"st\.global\.v4\.(b|u)32", r"griddepcontrol\.wait")
 #: What it must not contain: flush-to-zero would break bit-exactness on subnormal scales.
 PTX_FORBIDDEN = (r"\.ftz\b",)
 
@@ -66,7 +67,9 @@ class DequantFp4Config:
 #: the configuration the provider launches (bench/bench_dequant_fp4.py times others through
 #: :data:`VARIANT`). Measured on the H200, 2026-12-01 (job mem2-01, 8192^2, CUDA-graph replay, copy
 #: BW 4251 GB/s): 128 threads x 1 tile 46.4 us bf16 / 82.6 us fp32 (mxfp4) beat 256 x 2 (47.8 / 85.0),
-#: 256 x 4 (48.9 / 85.1) and the persistent 256 x 2 at 8 CTAs/SM (49.6 / 89.2).
+#: 256 x 4 (48.9 / 85.1) and the persistent 256 x 2 at 8 CTAs/SM (49.6 / 89.2). Re-swept with PDL (job quant9-01,
+#: mxfp4 -> bf16, graphs of 24 calls): 128 x 1 44.0-44.1 us, 256 x 1 44.2, 512 x 1 44.2, 128 x 2 44.9, 128 x 4 45.9,
+#: persistent 256 x 2 at 8 CTAs/SM 47.8.
 DEFAULT_CONFIG = DequantFp4Config()
 #: benchmark hook: ``{"config": DequantFp4Config(...)}`` overrides the default; empty in production
 VARIANT: dict = {}
@@ -138,11 +141,12 @@ if _HAVE_DSL:
             n_blocks = cute.ceil_div(n_chunks, self.threads * self.tiles)   # blocks of warps x tiles x 32 chunks
             grid = cutlass.min(n_blocks, Int64(max_ctas))
             self.kernel(gData, gScale, gOut, mGlobal, n_chunks, Int32(n_blocks)).launch(
-                grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+                grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, **pdl_launch_kw())
 
         @cute.kernel
         def kernel(self, gData: cute.Tensor, gScale: cute.Tensor, gOut: cute.Tensor,
                    mGlobal: Optional[cute.Tensor], n_chunks: Int64, n_blocks: Int32):
+            pdl_prologue(True)          # (trigger at the start: quant9-02, 8192^2 equal)
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             gdim, _, _ = cute.arch.grid_dim()
@@ -221,6 +225,7 @@ if _HAVE_DSL:
                                 rCvt = cute.make_rmem_tensor((vec,), self.out_dtype)
                                 rCvt.store(rOut.load().to(self.out_dtype))
                                 cute.copy(st16, rCvt, gOut[(None, qg)])
+            pdl_epilogue(True)
 
 
 _OUT_DSL = {"bfloat16": "BFloat16", "float32": "Float32"}
@@ -273,8 +278,9 @@ def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[
 
 #: why this provider is the default (the registry prefers the provider measured faster; the cuda
 #: kernel it beat at every measured size was deleted)
-MEASURED = ("H200 2026-12-01 (job mem2-02): 8192^2 mxfp4 -> bf16 46.0 us (86.9% of copy BW), -> fp32 82.3 us "
-            "(86.9%); the deleted cuda kernel 52.4 / 138.0 us")
+MEASURED = ("H200 2026-12-02 (job quant9-02, CUDA graphs of 24 calls, PDL): 8192^2 mxfp4 -> bf16 44.1 us (90.6% of "
+            "copy BW), nvfp4 -> bf16 44.7 us (90.6%); 2026-12-01 (mem2-02): -> fp32 82.3 us, the deleted cuda kernel "
+            "52.4 / 138.0 us")
 
 
 class DslDequantFp4(DslProvider):

@@ -11,10 +11,10 @@
   FP8 WGMMA keeps ~14 accumulator bits and leaves the 2e-3 contract on short rows, exactly as
   DeepGEMM's ``fp8_mqa_logits`` does on the same bytes); NVFP4 keys on BF16 operands after
   ``dequant_fp4``.
-* ``indexer_topk_paged`` (decode selection): :class:`DslTopkPagedFused` -- where the batch gives the
-  select kernel 16 CTAs per row (B * next_n <= 8 at >= 32768 entries, next_n <= 2), the decode logits kernel with a selection-
-  histogram epilogue, then ``topk_select_kernel`` (kernels_cuda/topk.cu, no histogram pass); else the
-  logits kernel, then the ``topk`` op. Bitwise the two ops in sequence.
+* ``indexer_topk_paged`` (decode selection): :class:`DslTopkPaged` -- the decode logits kernel, then
+  the ``topk`` op (kernels_cuda/topk.cu), no host sync. Bitwise the two ops in sequence. (The fused
+  variant -- a selection-histogram epilogue in the logits kernel + a histogram-fed select kernel --
+  only tied this on the H200 and was deleted: docs/benchmarks.md, job topk9-01.)
 
 GPU validation runs, precision and timings of every path: docs/benchmarks.md ("Lightning Indexer").
 
@@ -43,7 +43,7 @@ from dsv4.registry import Support
 from ._compile import DslProvider, compile_cached, compile_options, dl, dsl_target_support, i32, launch_on
 
 __all__ = ["PagedConfig", "paged_config", "paged_smem_bytes", "DslPagedLogits", "DslLogits", "prefill_logits_dsl",
-           "DslTopkPagedFused", "hist_config", "FUSED_MIN_SPLITS", "PREFILL_FORMATS", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
+           "DslTopkPaged", "PREFILL_FORMATS", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
 
 #: what every compiled decode variant's PTX contains (tests/test_compile_dsl.py)
 PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3",
@@ -115,15 +115,14 @@ def _paged_fake_args(cfg: PagedConfig):
     lens = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
     bt = make_fake_compact_tensor(Int32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
     out = make_fake_compact_tensor(Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
-    hist = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
-    return (q, qs, w, c, lens, bt, out, hist, Int32(1), Int32(1), Int32(64), Int32(64), Int32(132), make_fake_stream())
+    return (q, qs, w, c, lens, bt, out, Int32(1), Int32(1), Int32(64), Int32(64), Int32(132), make_fake_stream())
 
 
-def _compile_paged(cfg: PagedConfig, arch: str, extra: str = "", hist: bool = False):
+def _compile_paged(cfg: PagedConfig, arch: str, extra: str = ""):
     import cutlass.cute as cute
 
     from .indexer_paged import PagedLogitsKernel
-    kern = PagedLogitsKernel(cfg.fmt, cfg.next_n, stages=cfg.stages, ctas_per_sm=cfg.ctas_per_sm, hist=hist)
+    kern = PagedLogitsKernel(cfg.fmt, cfg.next_n, stages=cfg.stages, ctas_per_sm=cfg.ctas_per_sm)
     return cute.compile(kern, *_paged_fake_args(cfg), options=compile_options(arch, extra))
 
 
@@ -145,12 +144,9 @@ def compile_paged_all(dump_dir: Optional[str] = None, arch: str = "sm_90a", vari
 
 
 def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[str, str]:
-    """The providers' default decode specializations (MXFP4, next_n 1; plain and with the selection
-    histogram of ``indexer_topk_paged``) through their config paths (tests/test_compile_dsl.py;
-    every variant: kernels_dsl.indexer_paged.compile_check)."""
-    res = compile_paged_all(dump_dir, arch, [("mxfp4", 1)])
-    res.update(compile_hist_check(dump_dir, arch, [("mxfp4", 1)]))
-    return res
+    """The provider's default decode specialization (MXFP4, next_n 1) through its config path
+    (tests/test_compile_dsl.py; every variant: kernels_dsl.indexer_paged.compile_check)."""
+    return compile_paged_all(dump_dir, arch, [("mxfp4", 1)])
 
 
 def _aligned(t, align: int = 16):
@@ -225,7 +221,7 @@ class DslPagedLogits(_DslBase):
 
         t = dl
         grid = cfg.ctas_per_sm * _sm_count(q_data.device)
-        args = (t(qd, 16), t(qs, 16), t(wv, 16), t(cv, 16), t(lv, 4), t(btv, 4), t(out, 4), t(lv, 4),
+        args = (t(qd, 16), t(qs, 16), t(wv, 16), t(cv, 16), t(lv, 4), t(btv, 4), t(out, 4),
                 i32(B), i32(nb), i32(bs), i32(max_ctx), i32(grid))
         launch_on(q_data.device, fn, *args)
         return out
@@ -335,73 +331,23 @@ class DslLogits(_DslBase):
                                   k_global=k_global)
 
 
-def hist_config(fmt: str, next_n: int) -> PagedConfig:
-    """Decode config of the histogram variant (``PagedLogitsKernel(hist=True)``): the heuristic's CTAs
-    per SM, the deepest ring that still fits next_n x 8 KiB of shared bucket counts more."""
-    base = paged_config(fmt, next_n)
-    budget = min(MAX_SMEM_PER_CTA, SMEM_PER_SM // base.ctas_per_sm - 2048)
-    st = base.stages
-    while st > 2 and paged_smem_bytes(fmt, next_n, st) + next_n * 2048 * 4 + 16 > budget:
-        st -= 1
-    return PagedConfig(fmt, next_n, st, base.ctas_per_sm)
-
-
-def compile_hist_check(dump_dir: Optional[str] = None, arch: str = "sm_90a", variants=None) -> dict[str, str]:
-    """CPU compile of the histogram-epilogue decode variants (default MXFP4 / FP8 next_n 1 and MXFP4
-    next_n 2); ``{"<fmt>-nn<k>-hist": PTX}``."""
-    variants = variants or [("mxfp4", 1), ("fp8", 1), ("mxfp4", 2)]
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        for fmt, nn in variants:
-            fn = _compile_paged(hist_config(fmt, nn), arch, f"--keep-ptx --dump-dir {d}", hist=True)
-            res[f"{fmt}-nn{nn}-hist"] = fn.__ptx__
-    return res
-
-
-#: the fused path runs when ``topk_select_kernel`` gets at least this many CTAs per row
-#: (kernels_cuda.topk.select_splits: 16 = B * next_n <= 8 on 132 SMs at >= 32768 entries). Re-timed
-#: against the issue-15 topk.cu (H200, job topk7-02, MXFP4 next_n 1 x 32768 entries, k 512, us,
-#: composed vs fused at the select kernel's default splits): B=8 28.5 vs 28.6 (16 splits), B=16 37.7 vs
-#: 40.1 (8), B=32 56.0 vs 60.0 (4), B=48 73.7 vs 82.5 (2), B=64 91.8 vs 103.0 (2), B=128 174.8 vs 188.6
-#: (1): the faster topk op made the composed path win below 16 splits (before, job fused-03: fused won
-#: at B=32); at 16 they are on par. The fused path is kept only there; it must win somewhere again (the
-#: selection inside the logits kernel, docs/status.md) or be deleted.
-FUSED_MIN_SPLITS = 16
-#: the order of ``indexer_topk_paged`` on both paths: its contract (dsv4/ops/indexer.py, and the torch
-#: provider's reference) is still score-sorted, while the ``topk`` op's default became ascending position
-#: (issue 15); both paths pass it explicitly so that fused == composed == reference stays bitwise.
+#: the order of ``indexer_topk_paged``: its contract (dsv4/ops/indexer.py, and the torch provider's
+#: reference) is score-sorted, while the ``topk`` op's default is ascending position (issue 15); the
+#: provider passes it explicitly so that it stays bitwise the reference.
 TOPK_PAGED_SORTED = True
 
 
-class DslTopkPagedFused(DslPagedLogits):
-    """``indexer_topk_paged`` on the DSL decode kernel, fused where that wins (:data:`FUSED_MIN_SPLITS`).
+class DslTopkPaged(DslPagedLogits):
+    """``indexer_topk_paged`` on the DSL decode kernel: :class:`DslPagedLogits`, then the ``topk`` op
+    (kernels_cuda/topk.cu) on the logits -- bitwise the two ops in sequence (score desc, ties by lower
+    index, -1 padding, block_table mapping, deterministic), no host sync, graph-capturable.
 
-    Fused path: the DSL logits kernel with its selection-histogram epilogue
-    (``PagedLogitsKernel(hist=True)``: while it stores the fp32 logits, every CTA counts the row's
-    selectable logits per bucket of kernels_cuda/topk.cu in shared memory and adds the non-zero bins
-    to a ``[B * next_n, 2048]`` global histogram at each sequence end), then ONE selection launch,
-    ``topk_select_kernel`` (kernels_cuda/topk.cu): no histogram pass over the logits (still stored,
-    L2-resident), the threshold bucket from the histogram, the row's winners and threshold-bucket
-    candidates gathered by ``select_splits`` CTAs per row, the last CTA of each row (atomic ticket)
-    refines the threshold, sorts and maps. One memset (histogram + control words, a graph node) + 2
-    launches. Composed path (:meth:`run_composed`, also for ``max_ctx % 4 != 0``): the plain logits
-    kernel, then the ``topk`` op. Either way the contract is the ``topk`` op's on the same logits
-    (score desc, ties by lower index, -1 padding, block_table mapping, deterministic) and the result is
-    bitwise the two ops in sequence (jobs fused-01 / fused-02 / fused-03 on the H200: k 512 / 1024,
-    uneven lengths 1..128k, next_n 2, FP8 and MXFP4, block_size 64 / 128, mapping, invalid pages,
-    all-equal logits, rows shorter than k, splits 1..16, 512 / 1024 threads; the epilogue's histogram
-    equals the torch bucket histogram; ``pytest -m gpu tests/test_indexer_topk_paged.py``: 8 passed in
-    fused-03). No host sync, graph-capturable.
+    Measured and deleted (issue 15, job topk9-01 on the H200): the fused variant -- the logits kernel
+    with a selection-histogram epilogue (shared bucket counts per stored logit, a global flush per
+    sequence) and a select kernel fed by that histogram (no histogram pass; 16 CTAs per row, a global
+    ticket, one memset) -- was never more than on par with this path (docs/benchmarks.md)."""
 
-    Timings, where the time goes and the variants measured and dropped: docs/benchmarks.md
-    ("``indexer_topk_paged`` fused decode selection"). ``config``: the logits kernel's
-    :class:`PagedConfig` depends on the path, which depends on the batch; ``run`` records it.
-    """
-
-    describe = ("DSL PagedLogitsKernel + bucket-histogram epilogue -> topk_select_kernel (CUDA: no histogram pass, "
-                ">= 16 CTAs per row, last CTA per row sorts); else logits kernel + topk op; no host sync")
+    describe = "DSL PagedLogitsKernel (logits) -> topk op (kernels_cuda/topk.cu); no host sync"
 
     def supports(self, problem, target):
         s = super().supports(problem, target)
@@ -409,21 +355,13 @@ class DslTopkPagedFused(DslPagedLogits):
             return s
         if not 1 <= problem["k"] <= 2048:
             return Support.no(f"dsl: k={problem['k']} outside 1..2048")
-        return Support.yes("sm_90a, MXFP4 / FP8 keys: logits kernel (+ selection histogram) + select kernel")
+        return Support.yes("sm_90a, MXFP4 / FP8 keys: logits kernel + topk op")
 
     def config(self, problem, target=None):
-        return None        # path-dependent (fused or composed): recorded by run()
+        """The logits kernel's :class:`PagedConfig` (the topk op records its own launch config)."""
+        return paged_config(problem["fmt"], problem["next_n"])
 
-    def use_fused(self, rows: int, max_ctx: int, device, next_n: int = 1) -> bool:
-        """The fused path for ``rows`` logit rows of ``max_ctx`` columns (:data:`FUSED_MIN_SPLITS`),
-        next_n 1 and 2 only: the histogram variant's ring for next_n 3 / 4 does not fit the CTAs per SM
-        of the plain kernel's config and was never timed on the H200 (those take the composed path)."""
-        from kernels_cuda.topk import select_splits
-        return (next_n <= 2 and max_ctx % 4 == 0
-                and select_splits(rows, max_ctx, _sm_count(device)) >= FUSED_MIN_SPLITS)
-
-    def run_composed(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
-        """The two ops in sequence: DSL logits kernel, then the ``topk`` op."""
+    def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
         from dsv4.ops.topk import topk
         logits = DslPagedLogits.run(self, problem, q_data=q_data, q_sf=q_sf, w=w, cache=cache, lens=lens,
                                     block_table=block_table, q_global=q_global, k_global=k_global)
@@ -433,53 +371,9 @@ class DslTopkPagedFused(DslPagedLogits):
                     return_scores=True, num_blocks=int(cache.shape[0]) if mapped else None,
                     sorted=TOPK_PAGED_SORTED)
 
-    def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fused=None,
-            splits=None, threads=512):
-        """``fused`` / ``splits`` / ``threads``: force a path / the select kernel's CTAs per row and
-        block size (tests, bench); default: :meth:`use_fused`, ``select_splits``, 512."""
-        import torch
-
-        from dsv4.target import Target
-        from kernels_cuda.topk import select_workspace, topk_select_cuda
-        fmt = problem["fmt"]
-        B, nn = q_data.shape[:2]
-        max_ctx, k = problem["max_ctx"], problem["k"]
-        kw = dict(q_data=q_data, q_sf=q_sf, w=w, cache=cache, lens=lens, block_table=block_table,
-                  q_global=q_global, k_global=k_global)
-        rows = B * nn
-        dev = q_data.device
-        if fused is None:
-            fused = B > 0 and self.use_fused(rows, max_ctx, dev, nn)
-        if not fused or B == 0 or max_ctx % 4:
-            self.op.record_config(paged_config(fmt, nn))
-            return self.run_composed(problem, **kw)
-        out = torch.empty((rows, max_ctx), dtype=torch.float32, device=dev)
-        ws = select_workspace(rows, dev)
-        lv = lens.contiguous().view(-1)
-        nb, bs = cache.shape[0], cache.shape[1]
-        if nb == 0:   # no page can be read: every logit is -inf, the histogram stays empty
-            out.fill_(float("-inf"))
-        else:
-            cfg = hist_config(fmt, nn)
-            self.op.record_config(cfg)
-            arch = Target.of(dev).arch
-            fn = compile_cached(("indexer_paged_hist", cfg, arch), lambda: _compile_paged(cfg, arch, hist=True))
-            qd = _aligned(q_data).view(-1)
-            qs = _aligned(q_sf).view(-1) if fmt == "mxfp4" else qd
-            t = dl
-            grid = cfg.ctas_per_sm * _sm_count(dev)
-            args = (t(qd, 16), t(qs, 16), t(_aligned(w).view(-1), 16), t(_aligned(cache).view(nb, -1), 16), t(lv, 4),
-                    t(block_table.contiguous(), 4), t(out, 4), t(ws, 4),
-                    i32(B), i32(nb), i32(bs), i32(max_ctx), i32(grid))
-            launch_on(dev, fn, *args)
-        mapped = problem["mapped"]
-        return topk_select_cuda(out, lv, ws, k, block_table if mapped else None, bs if mapped else 0, nn,
-                                splits=splits, threads=threads, num_blocks=nb if mapped else None,
-                                sorted=TOPK_PAGED_SORTED)
-
 
 PROVIDERS = {"indexer_logits_paged": DslPagedLogits, "indexer_logits": DslLogits,
-             "indexer_topk_paged": DslTopkPagedFused}
+             "indexer_topk_paged": DslTopkPaged}
 # the quantizers (indexer_cache_write, indexer_q_quant) live in kernels_dsl/indexer_quant.py
 from .indexer_quant import PROVIDERS as _QUANT_PROVIDERS  # noqa: E402
 

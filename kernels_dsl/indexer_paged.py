@@ -79,7 +79,6 @@ try:
     from cutlass.tensor_utils import LayoutEnum
 
     from . import _indexer_ptx as ptx
-    from . import _topk_ptx as tptx
     from .sm90 import fp4
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
@@ -126,30 +125,21 @@ if _HAVE_DSL:
         * ``mLens``: Int32 ``[B * nn]`` visible entries per row.
         * ``mBT``: Int32 ``[B, max_blocks]`` block table (row stride dynamic).
         * ``mOut``: Float32 ``[B * nn, max_ctx]`` logits (row stride dynamic).
-        * ``mHist``: Int32 ``[B * nn * 2048]`` (``hist=True``): zeroed by the caller; receives per row
-          the bucket histogram of the stored selectable logits (:meth:`hist_flush`) that
-          kernels_cuda/topk.cu ``topk_select_kernel`` selects from. ``hist=False``: any Int32
-          tensor, unread.
         * ``B``, ``num_blocks``, ``block_size``, ``max_ctx``: Int32.
 
         Static: ``fmt`` (``"mxfp4"`` / ``"fp8"``), ``nn`` (next_n 1..4), ``stages`` (raw tile
         ring depth), ``ctas_per_sm`` (launch bound and grid = ctas_per_sm x SMs, passed at
-        launch as ``grid``), ``hist`` (selection-histogram epilogue, off by default: the plain
-        logits kernel is unchanged).
+        launch as ``grid``), ``w_regs`` (head weights in registers; default: next_n 1).
         """
 
-        def __init__(self, fmt: str, nn: int, stages: int = 6, ctas_per_sm: int = 2, hist: bool = False,
-                     w_regs: bool | None = None):
+        def __init__(self, fmt: str, nn: int, stages: int = 6, ctas_per_sm: int = 2, w_regs: bool | None = None):
             if fmt not in VB:
                 raise ValueError(f"fmt must be one of {sorted(VB)}, got {fmt!r}")
             if not 1 <= nn <= 4:
                 raise ValueError(f"next_n must be 1..4, got {nn}")
             self.fmt, self.nn, self.stages, self.ctas_per_sm = fmt, nn, stages, ctas_per_sm
-            self.hist = bool(hist)    # selection-histogram epilogue (indexer_topk_paged), see hist_flush
             #: head weights held in registers (next_n 1), else re-read from smem per tile (16 x next_n fewer
             #: registers: what lets next_n >= 2 run 3 CTAs per SM, kernels_dsl.indexer.paged_config)
-            #: (the histogram variant keeps them in registers too: at MXFP4 next_n 1 / 4 CTAs per SM ptxas
-            #: spills 248 B there; that build is the one validated and timed on the H200, job fused-03)
             self.w_regs = (nn == 1) if w_regs is None else bool(w_regs)
             self.raw = RAW_BYTES[fmt]
             self.qv, self.qs, self.qw = _qbytes(fmt, nn)
@@ -157,7 +147,7 @@ if _HAVE_DSL:
         # ------------------------------------------------------------------ host side
         @cute.jit
         def __call__(self, mQ: cute.Tensor, mQsf: cute.Tensor, mW: cute.Tensor, mCache: cute.Tensor,
-                     mLens: cute.Tensor, mBT: cute.Tensor, mOut: cute.Tensor, mHist: cute.Tensor, B: Int32,
+                     mLens: cute.Tensor, mBT: cute.Tensor, mOut: cute.Tensor, B: Int32,
                      num_blocks: Int32, block_size: Int32, max_ctx: Int32, grid: Int32, stream: cuda.CUstream):
             tiled_mma = self.make_mma()
             # B: 64 heads x 128 dims E4M3 per next_n row, K-major SW128 (A = the keys, in registers)
@@ -175,11 +165,9 @@ if _HAVE_DSL:
                 raw: cute.struct.Align[cute.struct.MemRange[Uint8, S * self.raw], 128]
                 qraw: cute.struct.Align[cute.struct.MemRange[Uint8, self.qv + self.qs + self.qw], 128]
                 sB: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sB_l)], 1024]
-                # hist=True: per next_n row the 2048 bucket counts of the current sequence (else 4 B, unused)
-                hist: cute.struct.Align[cute.struct.MemRange[Uint32, self.nn * tptx.NBINS if self.hist else 4], 16]
 
             self.smem = Smem
-            self.kernel(mQ, mQsf, mW, mCache, mLens, mBT, mOut, mHist, B, num_blocks, block_size, max_ctx,
+            self.kernel(mQ, mQsf, mW, mCache, mLens, mBT, mOut, B, num_blocks, block_size, max_ctx,
                         tiled_mma, sB_l).launch(
                 grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                 preferred_smem_carveout=100)
@@ -415,7 +403,7 @@ if _HAVE_DSL:
         # ------------------------------------------------------------------ the kernel
         @cute.kernel
         def kernel(self, mQ: cute.Tensor, mQsf: cute.Tensor, mW: cute.Tensor, mCache: cute.Tensor,
-                   mLens: cute.Tensor, mBT: cute.Tensor, mOut: cute.Tensor, mHist: cute.Tensor, B: Int32,
+                   mLens: cute.Tensor, mBT: cute.Tensor, mOut: cute.Tensor, B: Int32,
                    num_blocks: Int32, block_size: Int32, max_ctx: Int32, tiled_mma: cute.TiledMma,
                    sB_l: cute.ComposedLayout):
             tidx, _, _ = cute.arch.thread_idx()
@@ -436,13 +424,6 @@ if _HAVE_DSL:
             b0p = st.sB.data_ptr().toint()
             bpt = VB[self.fmt] + SB[self.fmt]
             nct = (max_ctx + (TILE - 1)) // TILE
-            hsp = Int32(0)
-            if cutlass.const_expr(self.hist):
-                hsp = st.hist.data_ptr().toint()
-                for j in cutlass.range_constexpr(-(-self.nn * tptx.NBINS // THREADS)):
-                    if j * THREADS + tidx < self.nn * tptx.NBINS:
-                        ptx.st_shared_u32(hsp + 4 * (j * THREADS + tidx), Uint32(0))
-            hctx = (mHist, hsp)
 
             if tidx == MATH_THREADS:
                 for i in cutlass.range_constexpr(S):
@@ -564,19 +545,19 @@ if _HAVE_DSL:
                     b, t, n_b, stage, phase, qphase = self.tile_step(
                         rA[0], wA[1], rKs[0], rKs[1], rOk[0], rOk[1], accs, tCrB, rW, rLen, mLens, mOut, ring,
                         b, t, n_b, stage, phase, qphase, Int32(1), B, max_ctx, qfull, qempty, qraw, b0p, swp,
-                        tidx, lane, warp, hctx)
+                        tidx, lane, warp)
                     more = Int32(0)
                     if 2 * i2 + 2 < count:
                         more = Int32(1)
                     b, t, n_b, stage, phase, qphase = self.tile_step(
                         rA[1], wA[0], rKs[1], rKs[0], rOk[1], rOk[0], accs, tCrB, rW, rLen, mLens, mOut, ring,
                         b, t, n_b, stage, phase, qphase, more, B, max_ctx, qfull, qempty, qraw, b0p, swp,
-                        tidx, lane, warp, hctx)
+                        tidx, lane, warp)
                 if count % 2 == 1:
                     b, t, n_b, stage, phase, qphase = self.tile_step(
                         rA[0], wA[1], rKs[0], rKs[1], rOk[0], rOk[1], accs, tCrB, rW, rLen, mLens, mOut, ring,
                         b, t, n_b, stage, phase, qphase, Int32(0), B, max_ctx, qfull, qempty, qraw, b0p, swp,
-                        tidx, lane, warp, hctx)
+                        tidx, lane, warp)
 
                 # ---- tail: columns past each sequence's last data tile are -inf
                 tb = Int32(ptx.ld_shared_u32(sched + 12))
@@ -639,7 +620,7 @@ if _HAVE_DSL:
                       rLen: cute.Tensor, mLens: cute.Tensor, mOut: cute.Tensor, ring, b: Int32, t: Int32, n_b: Int32,
                       stage: Int32, phase: Int32, qphase: Int32, has_next: Int32, B: Int32, max_ctx: Int32,
                       qfull: Int32, qempty: Int32, qraw: Int32, b0p: Int32, swp: Int32, tidx: Int32, lane: Int32,
-                      warp: Int32, hctx):
+                      warp: Int32):
             """One 64-key tile: WGMMAs of its next_n rows (A = ``rA_cur``), the next tile's transform
             into the other fragment while they run (at a sequence change: after the epilogue and
             the query switch), the ReLU x w epilogue. Returns the advanced (b, t, n_b, stage,
@@ -684,38 +665,12 @@ if _HAVE_DSL:
                 if (q4 < 2) & (s < max_ctx):
                     ok = pok & (s < rLen[r])
                     mOut[b * nn + r, s] = cutlass.select_(ok, v, Float32(NEG_INF))
-                    if cutlass.const_expr(self.hist):
-                        bk = tptx.bucket_f32(v)
-                        if ok & (bk != Uint32(0xFFFFFFFF)):
-                            tptx.red_shared_add_u32(hctx[1] + (r * tptx.NBINS) * 4 + Int32(bk) * 4, Uint32(1))
-            if cutlass.const_expr(self.hist):
-                if (next_new != 0) | (has_next == 0):    # sequence b done in this CTA
-                    self.hist_flush(hctx, b, tidx)
             if next_other:
                 self.q_switch(mLens, nbq, qfull, qempty, qphase, qraw, b0p, swp, rW, rLen, tidx, lane)
                 qphase = qphase ^ 1
                 self.load_regs(ring, stage, phase, wA_next, rKs_next, rOk_next, lane, warp)
                 stage, phase = self.ring_advance(stage, phase)
             return nbq, nt, nnb, stage, phase, qphase
-
-        @cute.jit
-        def hist_flush(self, hctx, b: Int32, tidx: Int32):
-            """Selection-histogram epilogue (``hist=True``): add this CTA's bucket counts of sequence b's
-            next_n rows (smem, ``red.shared`` per stored logit) to the global ``[B * nn, 2048]`` histograms
-            (``red.global``, non-zero bins only) and zero them. Bucket = kernels_cuda/topk.cu ``decode``
-            (kernels_dsl/_topk_ptx.py); selectable = the stored logit is not -inf / NaN, i.e. exactly
-            the entries the topk op would count. Math warpgroup only; the barrier orders every
-            thread's shared adds before the reads; the next sequence's adds follow q_switch's barrier."""
-            mHist, hsp = hctx
-            cute.arch.sync_warp()                 # reconverge after the lane-divergent logit stores (aligned bar.sync)
-            ptx.named_barrier(BAR_MATH, MATH_THREADS)
-            g0 = mHist.iterator.toint() + Int64(b) * Int64(self.nn * tptx.NBINS * 4)
-            for j in cutlass.range_constexpr(self.nn * tptx.NBINS // MATH_THREADS):
-                off = (j * MATH_THREADS + tidx) * 4
-                cnt = ptx.ld_shared_u32(hsp + off)
-                if cnt != Uint32(0):
-                    tptx.red_global_add_u32(g0 + Int64(off), cnt)
-                    ptx.st_shared_u32(hsp + off, Uint32(0))
 
         @cute.jit
         def q_switch(self, mLens: cute.Tensor, b: Int32, qfull: Int32, qempty: Int32, qphase: Int32, qraw: Int32,

@@ -4,25 +4,31 @@ quantization of 128-dim rows, bit-exact with ``dsv4/reference/indexer.py`` (rota
 :func:`dsv4.reference.hadamard.rotate_activation_ref`, formats :mod:`dsv4.formats` incl. the OCP
 MX non-finite block rule); contracts docs/layouts/indexer_cache_write.md / indexer_q_quant.md.
 
-:class:`IndexerQuantKernel` -- 8 lanes per row, 4 rows per warp step, ``groups`` steps per warp
-iteration (every row load of an iteration in flight before the first rotation):
+:class:`IndexerQuantKernel` -- ``lanes`` (4 / 8 / 16) lanes per row, ``32 / lanes`` rows per warp step,
+``groups`` steps per warp iteration (every row load of an iteration in flight before the first rotation):
 
-* lane ``q = lane % 8`` of row ``lane // 8`` loads the two 16-byte chunks A = elements
-  ``8q .. 8q+7`` and B = ``64 + 8q .. 64 + 8q + 7`` (every warp load instruction reads 4 x 128
-  contiguous bytes);
-* Hadamard (``hadamard``): the rows are rotated by the fp32 contract of ``dsv4.reference.hadamard``
-  (the official kernel's arithmetic): butterflies in its stage order (index bit 0 first): bits 0-2
-  inside a chunk, bits 3-5 by ``shfl.bfly`` over the row's 8 lanes (one ``fma.rn.f32(d, +-1, p)``
-  per value), bit 6 (A with B) in-thread; then one ``mul.rn.f32`` by fp32(128^-0.5) and one
+* lane ``q = lane % lanes`` of a row holds its ``nc = 16 / lanes`` contiguous 8-element chunks (elements
+  ``8 (nc q + c) .. + 7``, 16-byte loads; L1-allocating when a lane reads more than one chunk, so the
+  chunks of a 32-byte sector are fetched once);
+* Hadamard (``hadamard``): the fp32 contract of ``dsv4.reference.hadamard`` (the official kernel's
+  arithmetic): butterflies in its stage order (index bit 0 first): the index bits below ``log2(8 nc)``
+  in-thread (``add.rn`` / ``sub.rn``), the rest by ``shfl.bfly`` over the row's lanes (one
+  ``fma.rn.f32(d, +-1, p)`` per value); then one ``mul.rn.f32`` by fp32(128^-0.5) and one
   ``cvt.rn.bf16x2.f32``: bit-exact with the reference;
-* each chunk of 8 values is then one quantizer "chunk" of ``kernels_dsl/quantize_fp4.py`` /
-  ``quantize_fp8.py`` (same roundings, same instructions): MXFP4 (DSV4 ceil rule) blocks of 32 =
-  4 lanes, NVFP4 (caller's global decode scale, TE order) blocks of 16 = 2 lanes, FP8 one
-  power-of-two UE8M0 scale per row (8 lanes, finite amax; Inf -> +-448, NaN -> 0x7F);
+* quantization with the roundings of ``kernels_dsl/quantize_fp4.py`` / ``quantize_fp8.py``: MXFP4 (DSV4
+  ceil rule) blocks of 32 elements, NVFP4 (caller's global decode scale, TE order) blocks of 16, FP8 one
+  power-of-two UE8M0 scale per row (finite amax; Inf -> +-448, NaN -> 0x7F); a block inside one lane
+  needs no shuffle (4 lanes: one MXFP4 block per lane), else its max goes over ``shfl.bfly``; E2M1 by
+  ``e2m1x8_encode_rn`` (kernels_dsl/_quantize_ptx.py);
 * stores: ``indexer_cache_write`` writes token ``n`` at ``slot_mapping[n]`` of the paged cache
   (per block: the values of every token, then the scales; slots outside ``[0, num_blocks *
-  block_size)`` are skipped); ``indexer_q_quant`` writes ``q_data`` / ``q_sf`` rows and ``w_out``
-  (FP8: ``w * s``).
+  block_size)`` are skipped; the page division is the host's magic multiply, :func:`slot_magic`);
+  ``indexer_q_quant`` writes ``q_data`` / ``q_sf`` rows and ``w_out`` (FP8: ``w * s``).
+
+Plans (:func:`plan`, measured on the H200: :data:`PLAN_LARGE`, :data:`MEASURED`): 16 lanes, one step, 4 CTAs per
+SM while that grid fits one wave (decode sizes: the shortest chain per row); 4 lanes, one step, 8 CTAs per SM above
+(about 650 SASS instructions per lane and row with the packed-bf16 MXFP4 encoder = 2600 per row; the former 8-lane
+kernel needed about 4800 and was issue-bound at 45% of copy bandwidth).
 
 Constraints: bf16 ``[rows, 128]`` contiguous input, 16-byte aligned; ``num_blocks * block_size
 < 2^31`` (32-bit slot arithmetic; a larger cache does not fit an H200). One launch, no host sync,
@@ -45,11 +51,12 @@ try:
     from cutlass.cutlass_dsl import T, dsl_user_op
 
     from ._quantize_ptx import (ABS_INF, F32_1EM4, F32_FLT_MAX, F32_INV6, F32_INV448, F32_MX_FLOOR, _v,
-                                bits_f32, chunk_absmax, clz, e4m3_to_f32, e4m3x2, finite_chunk_absmax,
+                                bits_f32, chunk_absmax, e4m3_to_f32, f32_bits, e4m3x2, finite_chunk_absmax,
                                 f32_to_bf16x2, fmax, fmin, fmul, frcp, half_to_f32, l2_evict_first, ld_nc_b32, ld_nc_f32,
-                                ld_nc_v4_if, shfl_bfly_max, st_b32, st_f32, st_u8, ue8m0_ceil_byte, vote_any)
+                                shfl_bfly_max, st_b32, st_f32, st_u8, ue8m0_ceil_byte, vote_any,
+                                e2m1x8_encode_rn)
     from .quantize_fp8 import _patch_nonfinite
-    from .sm90.fp4 import e2m1x8_encode
+    from .sm90.fp4 import e2m1x8_signs
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -59,7 +66,7 @@ __all__ = ["IndexerQuantConfig", "IndexerQuantKernel", "DslCacheWrite", "DslQQua
 F32_RSQRT128 = 0x3DB504F3             # fp32(128^-0.5), the reference's torch.tensor(128 ** -0.5, float32)
 
 #: what every variant's PTX contains (16-byte loads, 4-byte stores); the Hadamard variants also HADAMARD_PTX
-PTX_PATTERNS = (r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32", r"st\.global\.b32")
+PTX_PATTERNS = (r"ld\.global\.nc(\.L1::no_allocate)?\.L2::cache_hint\.v4\.u32", r"st\.global\.b32")
 HADAMARD_PTX = (r"add\.rn\.f32", r"shfl\.sync\.bfly", r"fma\.rn\.f32", r"cvt\.rn\.bf16x2\.f32")
 PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
 
@@ -72,9 +79,11 @@ class IndexerQuantConfig:
     hadamard: bool = True
     cache: bool = True           # True: indexer_cache_write (paged, slot_mapping); False: indexer_q_quant
     slot64: bool = True          # slot_mapping dtype int64 (else int32)
-    groups: int = 4              # 4-row steps per warp iteration (loads in flight: 2 x groups 16-byte per lane)
+    lanes: int = 4               # lanes per row (4 / 8 / 16): 16 / lanes chunks of 8 elements per lane
+    groups: int = 1              # (32 / lanes)-row steps per warp iteration (their loads all in flight)
     warps: int = 4
     min_blocks: int = 0          # launch bound: CTAs per SM the registers must allow (0: none)
+    bf16_mx: bool = True         # MXFP4 E2M1 in packed bf16x2 arithmetic (else e2m1x8_encode_rn)
 
 
 if _HAVE_DSL:
@@ -102,26 +111,75 @@ if _HAVE_DSL:
             "fma.rn.f32 $0, $1, $2, p;\n}",
             "=f,f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
-    def _rotate_row(wa, wb, lane):
-        """Hadamard of the row this lane's 8-lane group holds (chunks ``wa`` / ``wb`` of 4 bf16 words
-        each) -> (bf16 words of A, of B), the contract of ``dsv4.reference.hadamard``: fp32
-        butterflies in the reference's stage order (index bit 0 first), one ``mul.rn.f32`` by
-        fp32(128^-0.5), one ``cvt.rn.bf16x2.f32``."""
-        d = _f32x8(wa) + _f32x8(wb)
-        for h in (1, 2, 4):                        # index bits 0, 1, 2: inside a chunk
-            for i in range(16):
+    def _rotate_lanes(ws, lane, LPR: int):
+        """Hadamard of the row held by ``LPR`` lanes, ``16 / LPR`` contiguous chunks per lane (``ws``: lists of 4
+        bf16 words; element ``8 (nc q + c) + i``) -> the bf16 words of every chunk; the contract of
+        ``dsv4.reference.hadamard``: index bits below ``log2(8 nc)`` in-thread, the rest by ``shfl.bfly`` over the
+        row's lanes, in index-bit order (bit 0 first), one ``mul.rn.f32`` by fp32(128^-0.5), ``cvt.rn.bf16x2``."""
+        d = []
+        for w in ws:
+            d += _f32x8(w)
+        n = len(d)
+        h = 1
+        while h < n:                               # in-thread index bits
+            for i in range(n):
                 if i & h == 0:
                     d[i], d[i + h] = _f32_pair(d[i], d[i + h])
-        for m in (1, 2, 4):                        # index bits 3, 4, 5 = lane bits 0, 1, 2
+            h *= 2
+        m = 1
+        while m < LPR:                             # lane bits
             sgn = cutlass.select_((lane & m) != 0, Float32(-1.0), Float32(1.0))
             d = [_f32_bfly(v, m, sgn) for v in d]
-        for i in range(8):                         # index bit 6: chunk A (elements < 64) with chunk B
-            d[i], d[i + 8] = _f32_pair(d[i], d[i + 8])
+            m *= 2
         rs = bits_f32(Uint32(F32_RSQRT128))
         y = [fmul(v, rs) for v in d]
-        wa2 = [f32_to_bf16x2(y[2 * k], y[2 * k + 1]) for k in range(4)]
-        wb2 = [f32_to_bf16x2(y[8 + 2 * k], y[8 + 2 * k + 1]) for k in range(4)]
-        return wa2, wb2
+        return [[f32_to_bf16x2(y[8 * c + 2 * k], y[8 * c + 2 * k + 1]) for k in range(4)] for c in range(n // 8)]
+
+    @dsl_user_op
+    def _e2m1x8_pow2_bf16(w0, w1, w2, w3, s2, *, loc=None, ip=None):
+        """E2M1 magnitude codes (nibble i = level index of element i, no signs) of the 8 bf16 values in the
+        words ``w0..w3`` times the power of two ``s2`` (bf16x2, both halves; the MXFP4 decode-scale inverse),
+        in packed bf16x2 arithmetic: ``v = |w * s2|`` (exact: a power-of-two scaling; ``v <= 6`` by the MXFP4
+        scale rule), ``e = max(exponent(v), 127)``, magic ``M = 64, 130, 264`` for ``e = 127, 128, 129``
+        (bits ``0x4280 + (e - 127) * 0x82``: on the grid 0.5 / 1 / 2 of the binade, offset so that) one
+        ``add.rn.bf16x2 s = v + M`` rounds ``v`` to the E2M1 level set with ties to even and leaves the level
+        index in the low 3 bits of ``s``. Bit-identical to ``e2m1x8_encode(f, 2^-k, w)`` without the signs."""
+        body = ["{", ".reg .b32 v, e, m, a, b, x, y, c7f, c7;", "mov.b32 c7f, 0x007F007F;", "mov.b32 c7, 0x07070707;"]
+        for k in range(4):
+            body += [f"mul.rn.bf16x2 v, ${k + 1}, $5;", "and.b32 v, v, 0x7FFF7FFF;", "shr.b32 e, v, 7;",
+                     "and.b32 e, e, 0x00FF00FF;", "max.u16x2 e, e, c7f;", "mad.lo.u32 m, e, 130, 0x02020202;",
+                     f"add.rn.bf16x2 {'abxy'[k]}, v, m;"]
+        body += ["prmt.b32 a, a, b, 0x6420;", "prmt.b32 b, x, y, 0x6420;", "and.b32 a, a, c7;", "and.b32 b, b, c7;",
+                 "shr.b32 x, a, 4;", "or.b32 a, a, x;", "shr.b32 y, b, 4;", "or.b32 b, b, y;",
+                 "prmt.b32 $0, a, b, 0x6420;", "}"]
+        return _u32_asm("\n".join(body), "=r,r,r,r,r,r", [w0, w1, w2, w3, s2], loc, ip)
+
+    def _u32_asm(ptx, cons, args, loc, ip):
+        return Uint32(llvm.inline_asm(T.i32(), [_v(a, Uint32, loc, ip) for a in args], ptx, cons, has_side_effects=False,
+                                      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def _mulhi_shift(a, m, sh, *, loc=None, ip=None):
+        """``(a * m) >> sh`` (u32 x u32 -> u64 product, ``32 <= sh < 64``): ``a // bs`` for ``a < 2^31`` with the
+        host's magic pair (``m = ceil(2^sh / bs)``, ``sh = 31 + ceil(log2 bs)``)."""
+        return Uint32(llvm.inline_asm(
+            T.i32(), [_v(a, Uint32, loc, ip), _v(m, Uint32, loc, ip), _v(sh, Int32, loc, ip)],
+            "{\n.reg .b64 p;\nmul.wide.u32 p, $1, $2;\nshr.b64 p, p, $3;\ncvt.u32.u64 $0, p;\n}",
+            "=r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
+            ip=ip))
+
+    @dsl_user_op
+    def _ld_v4_if(addr, pol, pred, l1: bool, *, loc=None, ip=None):
+        """16-byte read-only load predicated on ``pred != 0`` (zeros otherwise), L2 policy ``pol``; ``l1``: allocate
+        in L1 (a lane's neighbouring chunks share 32-byte sectors), else ``L1::no_allocate``."""
+        hint = "" if l1 else ".L1::no_allocate"
+        r = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4),
+                            [_v(addr, Int64, loc, ip), _v(pol, Int64, loc, ip), _v(pred, Int32, loc, ip)],
+                            "{\n.reg .pred p;\nsetp.ne.b32 p, $6, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+                            f"mov.b32 $3, 0;\n@p ld.global.nc{hint}.L2::cache_hint.v4.u32 {{$0, $1, $2, $3}}, [$4], $5;\n}}",
+                            "=r,=r,=r,=r,l,l,r", has_side_effects=True, is_align_stack=False,
+                            asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        return [Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
     def _f32x8(w):
         out = []
@@ -143,25 +201,28 @@ if _HAVE_DSL:
 
         @cute.jit
         def __call__(self, x: Int64, slots: Int64, gsrc: Int64, out: Int64, sf_out: Int64, w_in: Int64, w_out: Int64,
-                     rows: Int64, bs: Int32, num_slots: Int64, n_ctas: Int32, stream: cuda.CUstream):
+                     rows: Int64, bs: Int32, num_slots: Int64, dm: Int64, dsh: Int32, n_ctas: Int32,
+                     stream: cuda.CUstream):
             lb = {"min_blocks_per_mp": self.cfg.min_blocks, "preferred_smem_carveout": 50} if self.cfg.min_blocks else {}
-            self.kernel(x, slots, gsrc, out, sf_out, w_in, w_out, rows, bs, num_slots).launch(
+            self.kernel(x, slots, gsrc, out, sf_out, w_in, w_out, rows, bs, num_slots, dm, dsh).launch(
                 grid=[n_ctas, 1, 1], block=[32 * self.cfg.warps, 1, 1], stream=stream, **lb)
 
         @cute.kernel
-        def kernel(self, x: Int64, slots: Int64, gsrc: Int64, out: Int64, sf_out: Int64, w_in: Int64, w_out: Int64,
-                   rows: Int64, bs: Int32, num_slots: Int64):
+        def kernel(self, x: Int64, slots: Int64, gsrc: Int64, out: Int64, sf_out: Int64, w_in: Int64,
+                         w_out: Int64, rows: Int64, bs: Int32, num_slots: Int64, dm: Int64, dsh: Int32):
+            """``lanes`` lanes per row, ``32 / lanes`` rows per warp step, ``groups`` steps per iteration; lane
+            ``q`` of a row holds its ``16 / lanes`` contiguous 8-element chunks (elements ``8 (nc q + c) + i``)."""
             cfg = self.cfg
-            G = cfg.groups
+            G, LPR = cfg.groups, cfg.lanes
+            NC, RS = 16 // LPR, 32 // LPR
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             gdim, _, _ = cute.arch.grid_dim()
             lane = tidx % 32
             warp = tidx // 32
-            q = lane % 8
+            q = lane % LPR
             pol = l2_evict_first()
             abs_inf = ABS_INF["bfloat16"]
-            # NVFP4 global scale (GS_GIVEN of quantize_fp4.py: g_enc = RN(1 / g_dec))
             g_dec = Float32(1.0)
             mult = Float32(1.0)
             gnan = Uint32(0)
@@ -170,115 +231,158 @@ if _HAVE_DSL:
                 g_enc = frcp(g_dec)
                 mult = fmul(g_enc, bits_f32(Uint32(F32_INV6)))
                 gnan = Uint32(g_enc != g_enc)
-            # slot // bs by a magic multiply (0 <= slot < 2^31; l = ceil(log2 bs), m = ceil(2^(31+l) / bs))
-            dsh = Int64(Int32(32) - Int32(clz(Uint32(bs - 1)))) + 31
-            dm = ((Int64(1) << dsh) + Int64(bs - 1)) // Int64(bs)
-            step = 4 * G
-            n_it = (rows + (step - 1)) // step
-            w0 = Int64(bidx) * cfg.warps + Int64(warp)
-            wstride = Int64(gdim) * cfg.warps
-            trips = cutlass.max(n_it - w0 + (wstride - 1), n_it - n_it) // wstride
-            for it in cutlass.range(trips, unroll=1):
-                rbase = (w0 + it * wstride) * step
+            step = RS * G
+            n_it = Int32((rows + (step - 1)) // step)
+            w0 = Int32(bidx) * cfg.warps + Int32(warp)
+            for it in cutlass.range(w0, n_it, Int32(gdim) * cfg.warps, unroll=1):
+                rbase = Int64(it) * step
                 raw = []
+                sl = []
                 for g in cutlass.range_constexpr(G):
-                    r = rbase + (4 * g) + Int64(lane // 8)
+                    r = rbase + (RS * g) + Int64(lane // LPR)
                     ok = Int32(r < rows)
-                    src = x + r * 256 + Int64(q) * 16
-                    raw.append((ld_nc_v4_if(src, pol, ok), ld_nc_v4_if(src + 128, pol, ok)))
+                    src = x + r * 256 + Int64(q) * (16 * NC)
+                    raw.append([_ld_v4_if(src + 16 * c, pol, ok, NC > 1) for c in range(NC)])
+                    # the slot with the row (one memory round trip), not after the rotation
+                    # cache: the slot; q: the head weight (bits) -- issued with the row (one memory round trip)
+                    slot = Int64(-1)
+                    rr = cutlass.select_(r < rows, r, Int64(0))
+                    if cutlass.const_expr(cfg.cache):
+                        if cutlass.const_expr(cfg.slot64):
+                            slot = (Int64(ld_nc_b32(slots + rr * 8 + 4)) << 32) | Int64(ld_nc_b32(slots + rr * 8))
+                        else:
+                            slot = Int64(Int32(ld_nc_b32(slots + rr * 4)))
+                    else:
+                        slot = Int64(ld_nc_b32(w_in + rr * 4))
+                    sl.append(slot)
+                # skip a warp step whose rows are all out of range / skipped; the test also depends on one word of
+                # every load, so that all of them issue before the first rotation (ptxas otherwise sinks a load
+                # next to its first use: a second memory round trip). A data word equal to the magic only runs the
+                # (store-free) work anyway.
+                live = Int32(0)
+                pin = Uint32(0)
                 for g in cutlass.range_constexpr(G):
-                    r = rbase + (4 * g) + Int64(lane // 8)
-                    wa, wb = raw[g]
-                    if cutlass.const_expr(cfg.hadamard):
-                        wa, wb = _rotate_row(wa, wb, lane)
-                    self._quantize_row(r, wa, wb, lane, q, rows, slots, out, sf_out, w_in, w_out, bs, num_slots,
-                                       dm, dsh, g_dec, mult, gnan, abs_inf)
+                    r = rbase + (RS * g) + Int64(lane // LPR)
+                    okg = r < rows
+                    if cutlass.const_expr(cfg.cache):
+                        okg = okg & (sl[g] >= Int64(0)) & (sl[g] < num_slots)
+                    live = live | Int32(okg)
+                    pin = pin ^ Uint32(sl[g])
+                    for c in cutlass.range_constexpr(NC):
+                        pin = pin ^ raw[g][c][0]
+                if vote_any(live | Int32(pin == Uint32(0x9E3779B9))) != Uint32(0):
+                    for g in cutlass.range_constexpr(G):
+                        r = rbase + (RS * g) + Int64(lane // LPR)
+                        ws = raw[g]
+                        if cutlass.const_expr(cfg.hadamard):
+                            ws = _rotate_lanes(ws, lane, LPR)
+                        self._quantize_row(r, sl[g], ws, q, rows, out, sf_out, w_in, w_out, bs, num_slots, dm, dsh,
+                                             g_dec, mult, gnan, abs_inf)
 
         @cute.jit
-        def _quantize_row(self, r, wa, wb, lane, q, rows, slots, out, sf_out, w_in, w_out, bs, num_slots, dm, dsh,
-                          g_dec, mult, gnan, abs_inf: cutlass.Constexpr):
+        def _quantize_row(self, r, slot, ws, q, rows, out, sf_out, w_in, w_out, bs, num_slots, dm, dsh, g_dec,
+                            mult, gnan, abs_inf: cutlass.Constexpr):
             cfg = self.cfg
             VB, SB = self.vb, self.sb
-            # ---- destination (every lane of the row computes it)
+            LPR = cfg.lanes
+            NC = 16 // LPR
             ok = r < rows
             vdst = out + r * VB
             sdst = sf_out + r * SB
             if cutlass.const_expr(cfg.cache):
-                slot = Int64(0)
-                rr = cutlass.select_(ok, r, Int64(0))
-                if cutlass.const_expr(cfg.slot64):
-                    s_lo = ld_nc_b32(slots + rr * 8)
-                    s_hi = ld_nc_b32(slots + rr * 8 + 4)
-                    slot = (Int64(s_hi) << 32) | Int64(s_lo)
-                else:
-                    slot = Int64(Int32(ld_nc_b32(slots + rr * 4)))
                 ok = ok & (slot >= Int64(0)) & (slot < num_slots)
-                s32 = cutlass.select_(ok, slot, Int64(0))
-                blk = (s32 * dm) >> dsh
-                j = s32 - blk * Int64(bs)
-                base = out + blk * Int64(bs) * (VB + SB)
-                vdst = base + j * VB
-                sdst = base + Int64(bs) * VB + j * SB
-            fa = _f32x8(wa)
-            fb = _f32x8(wb)
+                s32 = Uint32(cutlass.select_(ok, slot, Int64(0)))
+                blk = _mulhi_shift(s32, Uint32(dm), dsh)          # slot // bs (slot < 2^31)
+                j = s32 - blk * Uint32(bs)
+                base = out + Int64(blk) * (Int64(bs) * (VB + SB))
+                vdst = base + Int64(j) * VB
+                sdst = base + Int64(bs) * VB + Int64(j) * SB
+            fs = [_f32x8(w) for w in ws]
+            hs = [chunk_absmax(w) for w in ws]
             if cutlass.const_expr(cfg.fmt == "fp8"):
-                ha = chunk_absmax(wa)
-                hb = chunk_absmax(wb)
-                nf = Int32((ha >= Uint32(abs_inf)) | (hb >= Uint32(abs_inf)))
+                nf = Int32(hs[0] >= Uint32(abs_inf))
+                for c in cutlass.range_constexpr(1, NC):
+                    nf = nf | Int32(hs[c] >= Uint32(abs_inf))
+                m = hs[0]
+                for c in cutlass.range_constexpr(1, NC):
+                    m = cutlass.max(m, hs[c])
                 slow = vote_any(nf) != Uint32(0)
                 if slow:
-                    ha = finite_chunk_absmax(wa, abs_inf)
-                    hb = finite_chunk_absmax(wb, abs_inf)
-                m = cutlass.max(ha, hb)
-                for o in cutlass.range_constexpr(3):
+                    m = finite_chunk_absmax(ws[0], abs_inf)
+                    for c in cutlass.range_constexpr(1, NC):
+                        m = cutlass.max(m, finite_chunk_absmax(ws[c], abs_inf))
+                for o in cutlass.range_constexpr(LPR.bit_length() - 1):
                     m = shfl_bfly_max(m, 1 << o)
-                # s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) (ue8m0, as an fp32 power of two)
                 s = fmul(fmax(half_to_f32(m, False), bits_f32(Uint32(F32_1EM4))), bits_f32(Uint32(F32_INV448)))
-                s = bits_f32(ue8m0_ceil_byte(s) << 23)
-                rs = frcp(s)
-                pa = [e4m3x2(fmul(fa[2 * k], rs), fmul(fa[2 * k + 1], rs)) for k in range(4)]
-                pb = [e4m3x2(fmul(fb[2 * k], rs), fmul(fb[2 * k + 1], rs)) for k in range(4)]
-                a0 = Uint32(pa[0] | (pa[1] << 16))
-                a1 = Uint32(pa[2] | (pa[3] << 16))
-                b0 = Uint32(pb[0] | (pb[1] << 16))
-                b1 = Uint32(pb[2] | (pb[3] << 16))
+                sb = ue8m0_ceil_byte(s)                             # 105 <= sb <= 246 (amax floor 1e-4, finite)
+                s = bits_f32(sb << 23)
+                rs = bits_f32((Uint32(254) - sb) << 23)              # 1 / s exactly
+                codes = cute.make_rmem_tensor((2 * NC,), Uint32)
+                for c in cutlass.range_constexpr(NC):
+                    f = fs[c]
+                    p = [e4m3x2(fmul(f[2 * k], rs), fmul(f[2 * k + 1], rs)) for k in range(4)]
+                    codes[2 * c] = Uint32(p[0] | (p[1] << 16))
+                    codes[2 * c + 1] = Uint32(p[2] | (p[3] << 16))
                 if slow:
-                    pp = _patch_nonfinite((a0, a1), wa, abs_inf)
-                    a0 = Uint32(pp[0])
-                    a1 = Uint32(pp[1])
-                    pp = _patch_nonfinite((b0, b1), wb, abs_inf)
-                    b0 = Uint32(pp[0])
-                    b1 = Uint32(pp[1])
+                    for c in cutlass.range_constexpr(NC):
+                        pp = _patch_nonfinite((codes[2 * c], codes[2 * c + 1]), ws[c], abs_inf)
+                        codes[2 * c] = Uint32(pp[0])
+                        codes[2 * c + 1] = Uint32(pp[1])
                 if ok:
-                    st_b32(vdst + Int64(q) * 8, a0)
-                    st_b32(vdst + Int64(q) * 8 + 4, a1)
-                    st_b32(vdst + 64 + Int64(q) * 8, b0)
-                    st_b32(vdst + 64 + Int64(q) * 8 + 4, b1)
+                    for k in cutlass.range_constexpr(2 * NC):
+                        st_b32(vdst + Int64(q) * (8 * NC) + 4 * k, codes[k])
                     if q == 0:
                         if cutlass.const_expr(cfg.cache):
                             st_f32(sdst, s)
                         else:
-                            st_f32(w_out + r * 4, fmul(ld_nc_f32(w_in + r * 4), s))
+                            st_f32(w_out + r * 4, fmul(bits_f32(Uint32(slot)), s))
             else:
-                cpb = 4 if cfg.fmt == "mxfp4" else 2
-                ca, sa = self._fp4_chunk(fa, wa, cpb, g_dec, mult, gnan, abs_inf)
-                cb, sbb = self._fp4_chunk(fb, wb, cpb, g_dec, mult, gnan, abs_inf)
+                B = 4 if cfg.fmt == "mxfp4" else 2                   # chunks per scale block
+                codes, sbytes = self._fp4_lanes(fs, ws, hs, NC, B, g_dec, mult, gnan, abs_inf)
                 if ok:
-                    st_b32(vdst + Int64(q) * 4, ca)
-                    st_b32(vdst + 32 + Int64(q) * 4, cb)
-                    if q % cpb == 0:
-                        st_u8(sdst + Int64(q // cpb), sa)
-                        st_u8(sdst + (8 // cpb) + Int64(q // cpb), sbb)
+                    for c in cutlass.range_constexpr(NC):
+                        st_b32(vdst + Int64(q) * (4 * NC) + 4 * c, codes[c])
+                    if cutlass.const_expr(B <= NC):
+                        for b in cutlass.range_constexpr(NC // B):
+                            st_u8(sdst + Int64(q) * (NC // B) + b, sbytes[b])
+                    else:
+                        if q % (B // NC) == 0:
+                            st_u8(sdst + Int64(q // (B // NC)), sbytes[0])
                     if cutlass.const_expr(not cfg.cache):
                         if q == 0:
-                            st_b32(w_out + r * 4, ld_nc_b32(w_in + r * 4))
+                            st_b32(w_out + r * 4, Uint32(slot))
 
-        def _fp4_chunk(self, f, w, cpb: int, g_dec, mult, gnan, abs_inf: int):
-            """(code word, scale byte) of one 8-value chunk, the per-chunk body of
-            ``quantize_fp4.py`` (MXFP4 DSV4 rule / NVFP4 given global scale, OCP NaN rule)."""
-            hb = chunk_absmax(w)
-            for o in range(cpb.bit_length() - 1):
+        def _fp4_lanes(self, fs, ws, hs, NC: int, B: int, g_dec, mult, gnan, abs_inf: int):
+            """Code words of a lane's ``NC`` chunks and its scale bytes: blocks of ``B`` chunks, inside the lane
+            (``B <= NC``) or over ``B / NC`` lanes (max by ``shfl.bfly``; every lane gets the block's byte)."""
+            codes, sbytes = [], []
+            if B <= NC:
+                for b in range(NC // B):
+                    hb = hs[B * b]
+                    for c in range(B * b + 1, B * b + B):
+                        hb = cutlass.max(hb, hs[c])
+                    enc, sbyte, bad, zero = self._fp4_scale(hb, g_dec, mult, gnan, abs_inf)
+                    for c in range(B * b, B * b + B):
+                        codes.append(self._fp4_code(fs[c], ws[c], enc, bad, zero))
+                    sbytes.append(cutlass.select_(bad, Uint32(self._nan_byte()), sbyte))
+                return codes, sbytes
+            hb = hs[0]
+            for c in range(1, NC):
+                hb = cutlass.max(hb, hs[c])
+            for o in range((B // NC).bit_length() - 1):
                 hb = shfl_bfly_max(hb, 1 << o)
+            enc, sbyte, bad, zero = self._fp4_scale(hb, g_dec, mult, gnan, abs_inf)
+            for c in range(NC):
+                codes.append(self._fp4_code(fs[c], ws[c], enc, bad, zero))
+            sbytes.append(cutlass.select_(bad, Uint32(self._nan_byte()), sbyte))
+            return codes, sbytes
+
+        def _nan_byte(self) -> int:
+            return 0x7F if self.cfg.fmt == "nvfp4" else 0xFF
+
+        def _fp4_scale(self, hb, g_dec, mult, gnan, abs_inf: int):
+            """(encode multiplier, scale byte, non-finite block flag, NVFP4 zero-scale flag) of a block with
+            max |bits| ``hb`` (the scale rules of ``quantize_fp4.py``)."""
             bad = (Uint32(hb >= Uint32(abs_inf)) | gnan) != Uint32(0)
             vmax = half_to_f32(hb, False)
             if self.cfg.fmt == "nvfp4":
@@ -286,22 +390,58 @@ if _HAVE_DSL:
                 sbyte = e4m3x2(sf, Float32(0.0))
                 s = e4m3_to_f32(sbyte)
                 enc = fmin(frcp(fmul(s, g_dec)), bits_f32(Uint32(F32_FLT_MAX)))
-                code = e2m1x8_encode(f, enc, w)
-                code = cutlass.select_(s == Float32(0.0), code & Uint32(0x88888888), code)
-                nan_byte = 0x7F
+                return enc, sbyte, bad, s == Float32(0.0)
+            tt = fmul(fmax(vmax, bits_f32(Uint32(F32_MX_FLOOR))), bits_f32(Uint32(F32_INV6)))
+            sbyte = ue8m0_ceil_byte(tt)
+            return bits_f32((Uint32(254) - sbyte) << 23), sbyte, bad, None
+
+        def _fp4_code(self, f, w, enc, bad, zero):
+            """The code word of one chunk: MXFP4 (power-of-two ``enc``) in packed bf16x2 arithmetic
+            (:func:`_e2m1x8_pow2_bf16`), NVFP4 by ``e2m1x8_encode_rn``; zeros for a non-finite block."""
+            if self.cfg.fmt == "mxfp4" and self.cfg.bf16_mx:
+                e16 = (f32_bits(enc) >> 16) * Uint32(0x10001)           # 2^-k as bf16x2 (exact)
+                code = _e2m1x8_pow2_bf16(w[0], w[1], w[2], w[3], e16) | e2m1x8_signs(w[0], w[1], w[2], w[3])
             else:
-                tt = fmul(fmax(vmax, bits_f32(Uint32(F32_MX_FLOOR))), bits_f32(Uint32(F32_INV6)))
-                sbyte = ue8m0_ceil_byte(tt)
-                code = e2m1x8_encode(f, bits_f32((Uint32(254) - sbyte) << 23), w)
-                nan_byte = 0xFF
-            return cutlass.select_(bad, Uint32(0), code), cutlass.select_(bad, Uint32(nan_byte), sbyte)
+                code = e2m1x8_encode_rn(f, enc, w)
+                if self.cfg.fmt == "nvfp4":
+                    code = cutlass.select_(zero, code & Uint32(0x88888888), code)
+            return cutlass.select_(bad, Uint32(0), code)
+
+
+def model_e2m1x8_pow2_bf16(words, enc_byte: int) -> int:
+    """Bit model of :func:`_e2m1x8_pow2_bf16` (numpy, no signs): 4 words of 2 bf16 halves times ``2^(127 -
+    enc_byte)`` (``enc_byte`` = the bf16 exponent field of the MXFP4 decode-scale inverse, ``254 - sbyte``) -> 8
+    nibbles of E2M1 level indices (element i at bits 4i..4i+2). Every step as the PTX: the exact product, ``|v|``,
+    ``e = max(exponent field, 127)``, the magic half ``0x4280 + (e - 127) * 0x82``, one bf16 round-to-nearest-even
+    add, the low 3 bits."""
+    import numpy as np
+    out = 0
+    for i in range(8):
+        h = (int(words[i // 2]) >> (16 * (i % 2))) & 0xFFFF
+        v = float(np.array([h << 16], dtype=np.uint32).view(np.float32)[0]) * 2.0 ** (int(enc_byte) - 127)
+        vb = int(np.array([abs(v)], dtype=np.float32).view(np.uint32)[0]) >> 16      # exact (a power-of-two scaling)
+        e = max((vb >> 7) & 0xFF, 127)
+        m = 0x4280 + (e - 127) * 0x82
+        a32 = np.array([vb << 16], dtype=np.uint32).view(np.float32)[0]
+        m32 = np.array([m << 16], dtype=np.uint32).view(np.float32)[0]
+        t = int(np.array([a32 + m32], dtype=np.float32).view(np.uint32)[0])            # exact in fp32
+        t = (t + 0x7FFF + ((t >> 16) & 1)) >> 16                                        # RNE to bf16
+        out |= (t & 7) << (4 * i)
+    return out
 
 
 def compile_indexer_quant(cfg: IndexerQuantConfig, arch: str = "sm_90a", extra: str = ""):
     from cutlass.cute.runtime import make_fake_stream
     z, i = Int64(0), Int32(0)
-    return cute.compile(IndexerQuantKernel(cfg), z, z, z, z, z, z, z, z, i, z, i, make_fake_stream(),
+    return cute.compile(IndexerQuantKernel(cfg), z, z, z, z, z, z, z, z, i, z, z, i, i, make_fake_stream(),
                         options=compile_options(arch, extra))
+
+
+def slot_magic(bs: int) -> tuple[int, int]:
+    """``(m, sh)`` with ``slot // bs == (slot * m) >> sh`` for every ``0 <= slot < 2^31`` (``sh = 31 + ceil(log2
+    bs)``, ``m = ceil(2^sh / bs) < 2^32``): the kernels' page division, computed once on the host."""
+    sh = 31 + (int(bs) - 1).bit_length()
+    return -(-(1 << sh) // int(bs)), sh
 
 
 def _fn(cfg, dev):
@@ -310,71 +450,70 @@ def _fn(cfg, dev):
     return compile_cached(("indexer_quant", cfg, arch), lambda: compile_indexer_quant(cfg, arch))
 
 
-def plan_groups(rows: int, sms: int) -> int:
-    """4-row steps per warp iteration: 4 (16 rows, 8 loads per lane in flight) once every SM gets 4 warps of
-    them, else 1 (decode sizes: the most warps, the shortest chain)."""
-    return 4 if rows >= 16 * 4 * 4 * sms else 1
-
-
-#: benchmark hook ({"groups": g, "warps": w, "ctas_per_sm": c} override the plan); empty in production
+#: benchmark hook ({"lanes": l, "groups": g, "warps": w, "min_blocks": b, "bf16_mx": m, "ctas_per_sm": c} override
+#: the plan); empty in production
 VARIANT: dict = {}
 
+#: (lanes, groups, CTAs per SM) of the plans. H200, jobs kv9-01 / kv9-02 (CUDA-graph us, bit-exact): 8 x 32768 MXFP4
+#: keys, random slots: the former 8-lane kernel 44.3 us; 4 lanes, 1 step: 8 CTAs 33.5 (6 / 10 / 16 CTAs 35.3 / 38.7 /
+#: 33.6, 2 steps 35.4-37.3), with the fp32 E2M1 encoder 37.2; 2 lanes 45.7-47.8; 8 lanes 61.4 (kv9-01). NVFP4 likes 6
+#: CTAs (38.5 vs 41.0 us), FP8 8 (48.0 vs 49.3). 16384 rows (cache / q): 8 lanes 4.37 / 4.10 us (MXFP4) vs 4 lanes
+#: 4.52-4.80, 16 lanes 4.99-5.36. Decode sizes (128 keys, q T=1): 16 lanes (MXFP4 / NVFP4 / FP8 1.81 / 1.91 / 1.90 and
+#: 1.73 / 1.88 / 1.80 us; 4 lanes 2.3-3.3).
+PLAN_SMALL = (16, 1, 4)
+PLAN_MID = (8, 1, 8)
+PLAN_LARGE = {"mxfp4": (4, 1, 8), "nvfp4": (4, 1, 6), "fp8": (4, 1, 8)}
 
-#: CTAs per SM and launch bound of the 16-rows-per-warp plan (groups 4; job kvmem8-01, 8 x 32768 MXFP4 keys,
-#: bit-identical: 4 CTAs, no bound 48.6 us; 6 CTAs, bound 6 (<= 80 registers) 45.4; 8 / bound 8 46.8; groups 2 with
-#: 12 / 12 45.4, with 8 / none 48.3; groups 1 with 16 46.7); the decode plan (groups 1) keeps 4 CTAs, no bound
-LARGE_CTAS = 6
+
+def plan(rows: int, sms: int, fmt: str = "mxfp4") -> tuple[int, int, int]:
+    """(lanes, groups, CTAs per SM) for ``rows`` rows: 16 lanes while their grid fits one wave of 4-warp CTAs at 4 per
+    SM (decode: the shortest chain per row), 8 lanes while a 4-lane grid would not fill one wave at 8 CTAs per SM, else
+    4 lanes (prefill: the fewest instructions per row)."""
+    if rows <= 2 * 4 * 4 * sms:
+        return PLAN_SMALL
+    if rows <= 8 * 4 * 8 * sms:
+        return PLAN_MID
+    return PLAN_LARGE[fmt]
 
 
-def _grid(rows: int, cfg: IndexerQuantConfig, dev) -> int:
+def _grid(rows: int, cfg: IndexerQuantConfig, dev, per_sm: int) -> int:
     from .quantize import _sms
-    need = -(-rows // (4 * cfg.groups * cfg.warps))
-    per_sm = LARGE_CTAS if cfg.groups == 4 else 4                  # persistent: CTAs of 4 warps per SM
-    return max(1, min(need, _sms(dev) * VARIANT.get("ctas_per_sm", per_sm)))
+    need = -(-rows // ((32 // cfg.lanes) * cfg.groups * cfg.warps))
+    return max(1, min(need, _sms(dev) * VARIANT.get("ctas_per_sm", per_sm)))      # persistent: grid-stride rows
 
 
-def _cfg(fmt: str, hadamard: bool, cache: bool, slot64: bool, rows: int, dev) -> IndexerQuantConfig:
+def _cfg(fmt: str, hadamard: bool, cache: bool, slot64: bool, rows: int, dev) -> tuple[IndexerQuantConfig, int]:
+    """(config, grid) of a problem: :func:`plan`, or the :data:`VARIANT` overrides."""
     from .quantize import _sms
-    g = VARIANT.get("groups", plan_groups(rows, _sms(dev)))
-    return IndexerQuantConfig(fmt, hadamard, cache, slot64, g, VARIANT.get("warps", 4),
-                              VARIANT.get("min_blocks", LARGE_CTAS if g == 4 else 0))
+    lanes, groups, per_sm = plan(rows, _sms(dev), fmt)
+    cfg = IndexerQuantConfig(fmt, hadamard, cache, slot64, VARIANT.get("lanes", lanes), VARIANT.get("groups", groups),
+                             VARIANT.get("warps", 4), VARIANT.get("min_blocks", 0), VARIANT.get("bf16_mx", True))
+    return cfg, _grid(rows, cfg, dev, per_sm)
 
 
-#: Ops whose DSL kernel passed the bit-exact H200 checks (jobs mem7-02 / mem7-03, 2026-12-01, with the fp64 rotation;
-#: job kvmem8-01 with the fp32 contract: tests/test_indexer_quant.py -m gpu; every format x Hadamard x slot dtype,
-#: skipped / out-of-range slots, NaN / Inf rows, extreme magnitudes and exponent spreads, both row plans, graph
-#: replay); False: never a default, never forced.
+#: Ops whose DSL kernel passed the bit-exact H200 checks (this kernel: job kv9-02, tests/test_indexer_quant.py -m gpu:
+#: every format x Hadamard x slot dtype, skipped / out-of-range slots, NaN / Inf rows, extreme magnitudes and exponent
+#: spreads, the plans and the other geometries); False: never a default, never forced.
 VALIDATED = {"indexer_cache_write": True, "indexer_q_quant": True}
-#: H200, job kvmem8-01 (CUDA-graph us, dsl / the CUDA indexer_quant_kernel, Hadamard on (fp32 contract), random
-#: slots, copy BW 4276 GB/s): cache write 8 x 32768 keys MXFP4 48.7 / 99.8, FP8 59.0 / 72.9, NVFP4 49.1 / 96.7;
-#: 128 keys 2.63 / 2.26, 2.41 / 2.07, 2.48 / 2.00; q quant T=4096 MXFP4 46.3 / 87.2, FP8 53.8 / 62.4, NVFP4 44.8 /
-#: 84.4; T=64 (4096 rows) 2.79 / 3.12, 2.75 / 2.57, 2.69 / 2.96; T=1 2.33 / 2.08, 2.17 / 1.92, 2.22 / 1.87.
-MEASURED = ("H200 kvmem8-01: cuda faster up to 128 keys / 64 q rows (2.26 vs dsl 2.63 us, MXFP4), even at 4096 rows "
-            "(+-0.3 us), dsl 1.2-2.1x faster at 262144 rows (8x32k keys 48.7 vs 99.8 us)")
-
-
-#: the smallest row-count class (``problem["rows"]``, dsv4.ops.indexer.row_class) from which this provider is the
-#: default (below it the cuda provider, measured faster there: :data:`MEASURED`); forcing it works at every size
-MIN_ROWS = {"indexer_cache_write": 1 << 13, "indexer_q_quant": 1 << 13}
+#: H200, job kv9-02 (CUDA-graph us, dsl / the deleted CUDA indexer_quant_kernel, Hadamard on, random slots, copy BW
+#: 4252 GB/s): cache write 8 x 32768 keys MXFP4 33.5 / 99.1, FP8 48.0 / 72.8, NVFP4 41.0 / 96.9 (38.5 at 6 CTAs); 128
+#: keys 1.81 / 2.13, 1.90 / 2.05, 1.91 / 1.99; 1024 keys 2.01 / 2.38, 2.06 / 2.16, 2.04 / 2.13; q quant T=1 1.73 / 1.95,
+#: 1.80 / 1.88, 1.88 / 1.84; T=64 2.28 / 2.97, 2.50 / 2.54, 2.42 / 2.91; T=4096 33.2 / 87.7, 48.3 / 63.1, 39.7 / 84.7.
+MEASURED = ("H200 kv9-02: at or below the deleted CUDA quantizer at every size (decode 1.7-2.1 us vs 1.8-2.4, within "
+            "0.04 us at NVFP4 q T=1), 1.3-3.0x faster at prefill sizes (8x32k MXFP4 keys 33.5 vs 99.1 us)")
 
 
 class _Base(DslProvider):
     def _gate(self, problem):
-        """Validated, and a problem of at least :data:`MIN_ROWS` rows, or forced (``registry.use`` /
-        ``DSV4_OPS``)."""
+        """Validated on the H200 (:data:`VALIDATED`), else not offered."""
         if not VALIDATED[self.op.name]:
             return Support.no("dsl: kernel not validated on the H200 yet (issue 16)")
-        from dsv4 import registry
-        if registry._forced_kind(self.op.name) == "dsl":
-            return None
-        if problem.get("rows", 0) < MIN_ROWS[self.op.name]:
-            return Support.no(f"dsl: a row class under {MIN_ROWS[self.op.name]}: the cuda provider ({MEASURED})")
         return None
 
 
 class DslCacheWrite(_Base):
-    describe = ("indexer_quant.py: 8 lanes per row, fp32 FWHT (in-thread + 3 shuffle stages), E2M1/E4M3 encode "
-                "as quantize_fp4/fp8.py, paged store")
+    describe = ("indexer_quant.py: 4 / 16 lanes per row, fp32 FWHT (in-thread + shfl.bfly stages), packed-bf16 MXFP4 / "
+                "E2M1 / E4M3 encode, paged store")
 
     def supports_problem(self, problem):
         no = self._gate(problem)
@@ -387,16 +526,18 @@ class DslCacheWrite(_Base):
         nb, bs = cache.shape[0], cache.shape[1]
         if nb * bs >= 1 << 31:
             raise ValueError(f"indexer_cache_write (dsl): num_blocks * block_size = {nb * bs} must be < 2^31")
-        cfg = _cfg(problem["fmt"], problem["hadamard"] in (True, 1), True, slot_mapping.dtype.itemsize == 8, n, k.device)
+        cfg, grid = _cfg(problem["fmt"], problem["hadamard"] in (True, 1), True, slot_mapping.dtype.itemsize == 8, n,
+                         k.device)
         g = global_scale if global_scale is not None else k
+        dm, dsh = slot_magic(bs)
         launch_on(k.device, _fn(cfg, k.device), i64(k.data_ptr()), i64(slot_mapping.data_ptr()), i64(g.data_ptr()),
-                  i64(cache.data_ptr()), i64(0), i64(0), i64(0), i64(n), i32(bs), i64(nb * bs),
-                  i32(_grid(n, cfg, k.device)))
+                  i64(cache.data_ptr()), i64(0), i64(0), i64(0), i64(n), i32(bs), i64(nb * bs), i64(dm), i32(dsh),
+                  i32(grid))
         return None
 
 
 class DslQQuant(_Base):
-    describe = "indexer_quant.py (q mode): 8 lanes per (t, h) row, fp32 FWHT, encode as quantize_fp4/fp8.py"
+    describe = "indexer_quant.py (q mode): 4 / 16 lanes per (t, h) row, fp32 FWHT, encode as the cache writer"
 
     def supports_problem(self, problem):
         no = self._gate(problem)
@@ -409,12 +550,12 @@ class DslQQuant(_Base):
         rows = q.shape[0] * 64
         if rows == 0:
             return q_data, q_sf, w_out
-        cfg = _cfg(fmt, problem["hadamard"] in (True, 1), False, True, rows, q.device)
+        cfg, grid = _cfg(fmt, problem["hadamard"] in (True, 1), False, True, rows, q.device)
         g = global_scale if global_scale is not None else w
         sfp = q_sf if fmt != "fp8" else q_data
         launch_on(q.device, _fn(cfg, q.device), i64(q.data_ptr()), i64(0), i64(g.data_ptr()), i64(q_data.data_ptr()),
-                  i64(sfp.data_ptr()), i64(w.data_ptr()), i64(w_out.data_ptr()), i64(rows), i32(1), i64(0),
-                  i32(_grid(rows, cfg, q.device)))
+                  i64(sfp.data_ptr()), i64(w.data_ptr()), i64(w_out.data_ptr()), i64(rows), i32(1), i64(0), i64(1 << 31),
+                  i32(31), i32(grid))
         return q_data, q_sf, w_out
 
 
@@ -422,12 +563,14 @@ PROVIDERS = {"indexer_cache_write": DslCacheWrite, "indexer_q_quant": DslQQuant}
 
 #: the specializations the CPU compile check builds (every format, both modes, both slot dtypes)
 CHECK_VARIANTS = {
-    "cache-mxfp4-had-i64": dict(fmt="mxfp4"),
-    "cache-nvfp4-had-i32": dict(fmt="nvfp4", slot64=False),
-    "cache-fp8-nohad-i64": dict(fmt="fp8", hadamard=False),
-    "q-mxfp4-had": dict(fmt="mxfp4", cache=False),
-    "q-nvfp4-nohad": dict(fmt="nvfp4", hadamard=False, cache=False),
-    "q-fp8-had": dict(fmt="fp8", cache=False),
+    "cache-mxfp4-had-i64-l4": {"fmt": "mxfp4"},
+    "cache-nvfp4-had-i32-l16": {"fmt": "nvfp4", "slot64": False, "lanes": 16},
+    "cache-fp8-nohad-i64-l4": {"fmt": "fp8", "hadamard": False},
+    "cache-mxfp4-had-i64-l16-rn": {"fmt": "mxfp4", "lanes": 16, "bf16_mx": False},
+    "q-mxfp4-had-l16": {"fmt": "mxfp4", "cache": False, "lanes": 16},
+    "q-nvfp4-nohad-l4": {"fmt": "nvfp4", "hadamard": False, "cache": False},
+    "q-fp8-had-l8": {"fmt": "fp8", "cache": False, "lanes": 8},
+    "q-mxfp4-had-l4g2": {"fmt": "mxfp4", "cache": False, "groups": 2},
 }
 
 

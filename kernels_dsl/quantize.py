@@ -9,8 +9,10 @@ Every kernel is compiled once per static specialization (format, input dtype, ru
 global-scale source, geometry, arch; :func:`compile_fp4` / :func:`compile_fp8` /
 :func:`compile_fp8_dq`); sizes and pointers are runtime scalars (``Int64`` addresses, the op has
 validated every tensor), so one compile serves every shape and a launch needs no DLPack
-conversion. No host sync, CUDA-graph capturable, one launch per op except NVFP4 with a device
-amax: one launch for small tensors (a single CTA up to ``FUSED_MAX_CHUNKS`` 16-byte chunks, linear
+conversion. Every kernel is launched with programmatic dependent launch (``_quantize_ptx.py`` ``pdl_*``: it
+waits for the preceding grid before any global access; the plan puts the trigger for the next launch at the
+kernel start for decode sizes, at its end for the large class). No host sync, CUDA-graph capturable, one
+launch per op except NVFP4 with a device amax: one launch for small tensors (a single CTA up to ``FUSED_MAX_CHUNKS`` 16-byte chunks, linear
 layout; or a grid-synchronized launch for tensors of at most one 4-warp CTA per SM, whose tiles
 stay in registers across the grid-wide amax: x read once), else two (amax partials, then quantize;
 x read twice, its last ``L2_KEEP_BYTES`` kept in L2).
@@ -66,7 +68,9 @@ class Plan:
 #: fields + ctas_per_sm, the fastest of 13 geometries at 8192 x 8192 bf16 (H200, job mem7-02, 2026-12-01,
 #: all verified bit-exact there; us, copy BW 4251 GB/s): NVFP4 given scale 54.98 (a bulk-copy ring of 2
 #: tiles, 4-warp CTAs; register loads at the old geometry 55.42), NVFP4 device amax 90.92 (register loads;
-#: the ring 92.64), MXFP4 47.70, FP8 57.29, dequant 57.27 (4 units x 4 warps; 8 x 8 warps 62.02).
+#: the ring 92.64), MXFP4 47.70, FP8 57.29, dequant 57.27 (4 units x 4 warps; 8 x 8 warps 62.02). Re-swept
+#: with PDL in jobs quant9-01/02 (6 + 3 geometries, CUDA graphs of 24 calls): none faster by more than the
+#: run-to-run spread (~1%); a grid shrunk to an equal number of tiles per warp lost 0.3-1.4 us (deleted).
 LARGE_DEFAULT = {"qj": 8, "warps": 8, "min_blocks": 0, "ctas_per_sm": 4}
 LARGE = {
     "nvfp4": {"qj": 8, "warps": 4, "min_blocks": 4, "ctas_per_sm": 2, "pipe": 2, "lut": 32},
@@ -117,16 +121,17 @@ def _sms(dev) -> int:
 
 def _geometry(family: str, n_chunks: int, sms: int) -> dict:
     """Launch geometry for ``n_chunks`` 16-byte input chunks: the LARGE entry when the tensor holds at
-    least two waves of its warp tiles, else 4-warp CTAs with the largest tile (qj 8 / 4 / 2 / 1) that
-    still gives every SM 4 warps and no per-CTA setup (``lut`` 0; decode sizes: latency, not bandwidth)."""
-    g = dict(LARGE_DEFAULT, **LARGE.get(family, {}))
+    least two waves of its warp tiles (PDL trigger at the kernel end), else 4-warp CTAs with the largest tile
+    (qj 8 / 4 / 2 / 1) that still gives every SM 4 warps and no per-CTA setup (``lut`` 0; PDL trigger at the
+    start; decode sizes: latency, not bandwidth)."""
+    g = dict(LARGE_DEFAULT, **LARGE.get(family, {}), pdl_early=False)
     wave = sms * g["ctas_per_sm"] * g["warps"] * 32 * g["qj"]
     if n_chunks >= 2 * wave:
         return g
     qj = 8
     while qj > 1 and n_chunks < 4 * sms * 32 * qj:
         qj //= 2
-    return {"qj": qj, "warps": 4, "min_blocks": 0, "ctas_per_sm": 4, "pipe": 0, "lut": 0}
+    return {"qj": qj, "warps": 4, "min_blocks": 0, "ctas_per_sm": 4, "pipe": 0, "lut": 0, "pdl_early": True}
 
 
 def _override(family: str, cfg, cps: int):
@@ -158,9 +163,7 @@ def plan_nvfp4(in_dtype: str, swizzled: bool, given: bool, M: int, K: int, sms: 
     g = _geometry("nvfp4" if given else "nvfp4-amax", n_chunks, sms)
     cfg = Fp4Config("nvfp4", in_dtype, swizzled=swizzled, gs=GS_GIVEN if given else GS_PARTIALS, qj=g["qj"],
                     warps=g["warps"], min_blocks=g["min_blocks"], pipe=g.get("pipe", 0), lut=g.get("lut", 0),
-                    prefetch=g.get("prefetch", False), quad=False)
-    # row-quad tiles (Fp4Config.quad) are off: quant8-02 measured them 1.8% faster at 8192^2 (53.7 vs
-    # 54.7 us) but 2x slower at [16, 7168] (5.49 vs 2.77 us); restrict them to the large class or delete
+                    prefetch=g.get("prefetch", False), pdl_early=g["pdl_early"])
     cfg, cps = _override("fp4", cfg, g["ctas_per_sm"])
     return Plan(cfg, cps, "given" if given else "partials")
 
@@ -169,28 +172,30 @@ def plan_mxfp4(in_dtype: str, rule: str, M: int, K: int, sms: int) -> Plan:
     from .quantize_fp4 import Fp4Config
     g = _geometry("mxfp4", M * K // 8, sms)
     cfg = Fp4Config("mxfp4", in_dtype, rule=rule, qj=g["qj"], warps=g["warps"], min_blocks=g["min_blocks"],
-                    pipe=g.get("pipe", 0))
+                    pipe=g.get("pipe", 0), pdl_early=g["pdl_early"])
     return Plan(*_override("fp4", cfg, g["ctas_per_sm"]))
 
 
 def plan_fp8(block: int, scale: int, in_dtype: str, M: int, K: int, sms: int) -> Plan:
     from .quantize_fp8 import Fp8Config
     g = _geometry("fp8", M * K // 8, sms)
-    cfg = Fp8Config(block, scale, in_dtype, qj=g["qj"], warps=g["warps"], min_blocks=g["min_blocks"])
+    cfg = Fp8Config(block, scale, in_dtype, qj=g["qj"], warps=g["warps"], min_blocks=g["min_blocks"],
+                    pdl_early=g["pdl_early"])
     return Plan(*_override("fp8", cfg, g["ctas_per_sm"]))
 
 
 def plan_dequant(block: int, ue8m0: bool, out_dtype: str, M: int, K: int, sms: int) -> Plan:
-    """FP8 dequant: LARGE["dequant"] for two waves or more, else 4-warp CTAs of 1..8 units per lane."""
+    """FP8 dequant: LARGE["dequant"] for two waves or more (PDL trigger at the end), else 4-warp CTAs of 1..8
+    units per lane (trigger at the start)."""
     from .quantize_fp8 import Fp8DqConfig
-    g = dict(LARGE["dequant"])
+    g = dict(LARGE["dequant"], pdl_early=False)
     n_units = M * K // (4 if out_dtype == "float32" else 8)
     if n_units < 2 * sms * g["ctas_per_sm"] * g["warps"] * 32 * g["units"]:
         u = 8
         while u > 1 and n_units < 4 * sms * 4 * 32 * u:
             u //= 2
-        g = {"units": u, "warps": 4, "ctas_per_sm": 8}
-    cfg = Fp8DqConfig(block, ue8m0, out_dtype, g["units"], g["warps"])
+        g = {"units": u, "warps": 4, "ctas_per_sm": 8, "pdl_early": True}
+    cfg = Fp8DqConfig(block, ue8m0, out_dtype, g["units"], g["warps"], g["pdl_early"])
     return Plan(*_override("dequant", cfg, g["ctas_per_sm"]))
 
 
@@ -259,7 +264,8 @@ def _fp4_fn(cfg, arch):
 
 #: Ops whose DSL kernels passed the bit-exact H200 checks (jobs quant-02, mem7-01/02/03, 2026-12-01: every
 #: family, input dtype, layout / rule, NVFP4 launch path, size class and 13 launch geometries, NaN / Inf
-#: blocks, CUDA-graph replay); an op set to False answers "no" (never a default, never forced).
+#: blocks, CUDA-graph replay; with PDL: quant9-02/03, 2026-12-02); an op set to False answers "no" (never a
+#: default, never forced).
 VALIDATED = {"quantize_nvfp4": True, "quantize_mxfp4": True, "quantize_fp8_block": True,
              "dequantize_fp8_block": True}
 
@@ -476,7 +482,7 @@ PROVIDERS.update({
 
 
 # ------------------------------------------------------------------------------ CPU compile check
-PTX_PATTERNS = (r"st\.global\.(v4\.)?b32",)
+PTX_PATTERNS = (r"st\.global\.(v4\.)?b32", r"griddepcontrol\.wait")
 PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
 
 

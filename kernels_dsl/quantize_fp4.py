@@ -29,20 +29,9 @@ stores (``store_staged``; 4-byte stores for tiles under 512 bytes) / 4-byte scal
 swizzled scale offsets divide by ``K / 16`` with a magic multiply. Grid-stride loop over warp
 tiles (the host sizes the grid; ``n_ctas`` warp-tiles per step).
 
-Row-quad tiles (``quad``: NVFP4 swizzled scales, ``K % 64 == 0``, 4k warps, amax given or from
-partials): a 16-byte cell of the 128x4 layout holds the 4-scale group of rows ``m, m+32, m+64, m+96``,
-so 4-byte scale stores from row-contiguous tiles are scattered (the swizzled NVFP4 quantizer was
-7.4 us slower than the linear one at 8192^2 with a trivial encode, job quant8-01). With ``quad`` the
-warps ``4q .. 4q+3`` of a CTA take the same K range of those 4 rows (quad-tile ``Q``: 128-row block
-``Q / nseg / 32``, row ``Q / nseg % 32``, K tile ``Q % nseg``), stage their scale groups side by side
-in shared memory, and after one ``bar.sync`` warp ``4q`` writes the quad's cells as 16-byte stores
-(512 contiguous bytes for a full tile row segment); rows ``M .. Mpad-1`` are written as zero cells
-by the same stores.
-
-Rounding (no float -> int convert anywhere): E2M1 by the magic-add encoder
-``kernels_dsl/_quantize_ptx.py:e2m1x8_encode_rn`` (bit-identical to ``kernels_dsl/sm90/fp4.py:e2m1x8_encode``,
-6 instead of 8 instructions per element: one binade-dependent magic whose mantissa offset makes the
-low byte of the sum the level index, job quant8-01: 2-4% faster); E4M3 scale by ``cvt.rn.satfinite.e4m3x2.f32``; UE8M0
+Rounding (no float -> int convert anywhere): E2M1 by the project's magic-add encoder
+``kernels_dsl/sm90/fp4.py:e2m1x8_encode`` (6 instructions per element: one binade-dependent magic whose
+mantissa offset makes the low byte of the sum the level index); E4M3 scale by ``cvt.rn.satfinite.e4m3x2.f32``; UE8M0
 by exponent-field arithmetic; every fp32 step is an explicit ``.rn`` PTX instruction in the
 reference's association order (``kernels_dsl/_quantize_ptx.py``).
 
@@ -71,7 +60,8 @@ try:
                                 ld_nc_f32, ld_nc_v4_if, ld_nc_v4_if_any, ld_relaxed_b32, lds_b32,
                                 lds_u8, redux_max, shfl_bfly_max, st_b32, st_f32, st_u8, store_staged,
                                 sts_b32, sts_b32_if, sts_u8, ue8m0_ceil_byte, umax, warp_sync, word_to_f32x2,
-                                ring_alloc, ring_init, ring_issue, ring_read, ld_tile_into, lds_v4, st_v4)
+                                ring_alloc, ring_init, ring_issue, ring_read, ld_tile_into,
+                                pdl_epilogue, pdl_launch_kw, pdl_prologue)
     from ._quantize_ptx import e2m1x8_encode_rn as e2m1x8_encode
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
@@ -100,7 +90,7 @@ class Fp4Config:
                              # `lut` copies (32: lane l reads copy l, conflict-free; 0: computed per block)
     pipe: int = 0            # 0: register loads; 1/2/4: per-warp bulk-copy (TMA) ring of that many warp tiles in smem
     prefetch: bool = False   # register loads: the next tile's loads are issued before this tile is encoded
-    quad: bool = False       # NVFP4 swizzled, K % 64 == 0, warps % 4 == 0: row-quad tiles (below)
+    pdl_early: bool = True   # PDL trigger at the kernel start (decode sizes), else at its end (_quantize_ptx.py)
 
     @property
     def cpb(self) -> int:    # chunks (lanes) per scale block
@@ -161,10 +151,11 @@ if _HAVE_DSL:
         def __call__(self, x: Int64, partials: Int64, n_chunks: Int64, keep_from: Int64, n_ctas: Int32,
                      stream: cuda.CUstream):
             self.kernel(x, partials, n_chunks, keep_from).launch(
-                grid=[n_ctas, 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
+                grid=[n_ctas, 1, 1], block=[32 * self.warps, 1, 1], stream=stream, **pdl_launch_kw())
 
         @cute.kernel
         def kernel(self, x: Int64, partials: Int64, n_chunks: Int64, keep_from: Int64):
+            pdl_prologue(False)         # (the two-launch path: large tensors only)
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             gdim, _, _ = cute.arch.grid_dim()
@@ -191,6 +182,7 @@ if _HAVE_DSL:
             m = _block_max(acc, red_addr, warp, lane, self.warps)
             if tidx == 0:
                 st_b32(partials + Int64(bidx) * 4, m)
+            pdl_epilogue(False)
 
     class Fp4QuantizeKernel:
         """NVFP4 / MXFP4 quantizer (module docstring: mapping, rounding, NaN rule).
@@ -217,10 +209,6 @@ if _HAVE_DSL:
             self.cpb = cfg.cpb
             self.blk_per_tile = self.tile // self.cpb
             self.warp_bytes = self.tile * 4 + 256   # staged code words + staged scale bytes
-            # row-quad tiles (``quad``): NVFP4 swizzled, amax given or from partials, 4k warps; the host sets it for
-            # K % 64 == 0 only (whole 4-scale groups per row)
-            self.quad = (cfg.quad and self.nv and cfg.swizzled and cfg.gs in (GS_GIVEN, GS_PARTIALS)
-                         and cfg.warps % 4 == 0)
 
         @cute.jit
         def __call__(self, x: Int64, data: Int64, scale: Int64, gs_out: Int64, gs_src: Int64, n_src: Int32,
@@ -228,12 +216,13 @@ if _HAVE_DSL:
                      n_ctas: Int32, stream: cuda.CUstream):
             self.kernel(x, data, scale, gs_out, gs_src, n_src, n_chunks, M, Ksf, Kt, Mpad, reverse, wsp).launch(
                 grid=[n_ctas, 1, 1], block=[32 * self.cfg.warps, 1, 1], stream=stream,
-                **_bounds(self.cfg))
+                **_bounds(self.cfg), **pdl_launch_kw())
 
         @cute.kernel
         def kernel(self, x: Int64, data: Int64, scale: Int64, gs_out: Int64, gs_src: Int64, n_src: Int32,
                    n_chunks: Int64, M: Int32, Ksf: Int32, Kt: Int32, Mpad: Int32, reverse: Int32, wsp: Int64):
             cfg = self.cfg
+            pdl_prologue(cfg.pdl_early)
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             gdim, _, _ = cute.arch.grid_dim()
@@ -252,19 +241,7 @@ if _HAVE_DSL:
             t0 = Int64(bidx) * cfg.warps + Int64(warp)
             stride = Int64(gdim) * cfg.warps
             trips = _trips(t0, n_tiles, stride)
-            # tile positions (:meth:`_pos`): grid-stride warp tiles, or (quad) row-quad tiles: CTA step i takes
-            # quads (bidx + i gdim) nq + wq, warp 4 wq + wr the rows m + 32 wr of its quad
-            pos = (t0, stride, n_tiles, n_chunks, reverse)
-            sq = Int32(0)
-            if cutlass.const_expr(self.quad):
-                nq = cfg.warps // 4
-                cpr = 2 * Ksf                                          # chunks per row
-                nseg = (cpr + (self.tile - 1)) // self.tile            # tiles per row
-                Qn = (Mpad >> 2) * nseg
-                pos = (Int32(bidx) * nq + warp // 4, Int32(gdim) * nq, Qn, nseg, cpr, M, warp % 4, reverse)
-                trips = _trips(Int64(bidx), Int64((Qn + (nq - 1)) // nq), Int64(gdim))
-                sqt = alloc.allocate_tensor(Uint32, cute.make_layout(nq * 256), byte_alignment=16)
-                sq = sqt.iterator.toint() + (warp // 4) * 1024         # this quad's 2 x 512 B scale stage
+            pos = (t0, stride, n_tiles, n_chunks, reverse)     # tile positions (:meth:`_pos`)
             P = cfg.pipe if cfg.gs not in (GS_GRID, GS_FUSED) else 0
             rbuf = Int32(0)
             rbar = Int32(0)
@@ -283,12 +260,16 @@ if _HAVE_DSL:
                 # (first: independent of the data, it overlaps the grid-wide amax wait of GS_GRID)
                 gt = Int32(bidx) * (32 * cfg.warps) + tidx
                 GT = Int32(gdim) * (32 * cfg.warps)
-                p1 = (Mpad - M) * Kt
-                if cutlass.const_expr(self.quad):
-                    p1 = Int32(0)           # (quad tiles write the rows M..Mpad-1 with their cells)
+                # rows M..Mpad-1 live in the last 128-row block: walk its Kt x 128 words in memory order (word j of a
+                # 512 B cell group = row 32 (j & 3) + (j >> 2) of the block), so a warp's stores are 128 contiguous
+                # bytes (job quant9-01: as scattered 4-byte stores the padding cost 0.55 us at [16, 7168])
+                b_last = (Mpad >> 7) - 1
+                p1 = cutlass.select_(Mpad > M, Kt * 128, Int32(0))
                 for k1 in cutlass.range(_trips(gt, p1, GT), unroll=1):
                     i1 = gt + k1 * GT
-                    st_b32(scale + self._swz(M + i1 // Kt, 4 * (i1 - (i1 // Kt) * Kt), Kt), Uint32(0))
+                    jw = i1 & 127
+                    if b_last * 128 + 32 * (jw & 3) + (jw >> 2) >= M:
+                        st_b32(scale + Int64((b_last * Kt + (i1 >> 7)) * 512 + jw * 4), Uint32(0))
                 padc = 4 * Kt - Ksf
                 p2 = M * padc
                 for k2 in cutlass.range(_trips(gt, p2, GT), unroll=1):
@@ -435,20 +416,7 @@ if _HAVE_DSL:
                 # ---- scales
                 bb = cb // self.cpb
                 nbv = n_blocks - bb
-                if cutlass.const_expr(self.quad):
-                    # the quad's 4 warps stage their 4-byte scale groups of rows m + 32 wr side by side: each 16 B
-                    # is one (row m, group) cell of the 128x4 layout; one warp writes the 512 B run of cells
-                    Qf, b128, r, seg, ngq = self._quad(it, pos)
-                    sqp = sq + (it % 2) * 512
-                    if lane < ngq:
-                        sts_b32(sqp + lane * 16 + (warp % 4) * 4,
-                                cutlass.select_(rem > 0, lds_b32(ss + 4 * lane), Uint32(0)))
-                    bar_sync()
-                    if (warp % 4 == 0) & (Qf < pos[2]) & (lane < ngq):
-                        v = lds_v4(sqp + lane * 16)
-                        st_v4(scale + (Int64(b128 * Kt + seg * (self.tile // 8) + lane) * 512 + Int64(r * 16)),
-                              v[0], v[1], v[2], v[3])
-                elif cutlass.const_expr(self.nv and cfg.swizzled):
+                if cutlass.const_expr(self.nv and cfg.swizzled):
                     if 4 * lane < self.blk_per_tile:
                         g0 = Int32(bb) + 4 * lane
                         if Ksf % 4 == 0:            # a group of 4 never straddles rows: one 4-byte store
@@ -470,28 +438,12 @@ if _HAVE_DSL:
                                 if Int64(32 * isb + lane) < nbv:
                                     st_u8(scale + bb + Int64(32 * isb + lane), lds_u8(ss + 32 * isb + lane))
                 warp_sync()
+            pdl_epilogue(cfg.pdl_early)
 
-
-        def _quad(self, i, pos):
-            """Row-quad tile of CTA step ``i``: (forward quad-tile index, 128-row block, row in the 32-row group,
-            tile of the row, its 4-scale groups)."""
-            qbase, qstride, Qn, nseg, cpr, M, wr, reverse = pos
-            Qf = qbase + Int32(i) * qstride
-            Q = cutlass.select_(reverse != 0, Qn - 1 - Qf, Qf)
-            quad = Q // nseg
-            seg = Q - quad * nseg
-            ngq = cutlass.min(cpr - seg * self.tile, Int32(self.tile)) // 8
-            return Qf, quad >> 5, quad & 31, seg, ngq
 
         def _pos(self, i, pos):
             """(first chunk, valid chunks) of this warp's tile at step ``i``: grid-stride warp tiles (``reverse``:
-            last tile first), or row-quad tiles (``quad``; rows >= M and steps past the last quad: 0 valid)."""
-            if cutlass.const_expr(self.quad):
-                qbase, qstride, Qn, nseg, cpr, M, wr, reverse = pos
-                Qf, b128, r, seg, ngq = self._quad(i, pos)
-                row = b128 * 128 + r + 32 * wr
-                cb = Int64(row) * Int64(cpr) + Int64(seg * self.tile)
-                return cb, cutlass.select_((row < M) & (Qf < Qn), ngq * 8, Int32(0))
+            last tile first)."""
             t0, stride, n_tiles, n_chunks, reverse = pos
             t = t0 + i * stride
             cb = cutlass.select_(reverse != 0, n_tiles - 1 - t, t) * self.tile
@@ -504,8 +456,8 @@ if _HAVE_DSL:
                          self.cfg.l2_hint)
 
         def _issue(self, rbuf, rbar, x, slot, i, pos, pol):
-            """Bulk-copy this warp's tile at step ``i`` into ring slot ``slot`` (a tile with no valid chunk -- a
-            quad row >= M -- copies 16 bytes of ``x`` instead: never used)."""
+            """Bulk-copy this warp's tile at step ``i`` into ring slot ``slot`` (a tile with no valid chunk copies
+            16 bytes of ``x`` instead: never used)."""
             cb, rem = self._pos(i, pos)
             ok = rem > 0
             ring_issue(rbuf, rbar, self.tile * 16, slot, x + cutlass.select_(ok, cb, Int64(0)) * 16,
@@ -531,7 +483,7 @@ if _HAVE_DSL:
 #: with an L2 policy (or, with a ring, bulk copies), 16-byte or 4-byte stores, packed |x| max (half pairs: the
 #: quantizers; integer: the amax-partials kernel).
 PTX_PATTERNS = (r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32|cp\.async\.bulk\.shared::cluster\.global",
-                r"st\.global\.(v4\.)?b32", r"max\.(u16x2|NaN\.xorsign\.abs\.b?f16x2)")
+                r"st\.global\.(v4\.)?b32", r"max\.(u16x2|NaN\.xorsign\.abs\.b?f16x2)", r"griddepcontrol\.wait")
 #: What none may contain: flush-to-zero (subnormal scales / values), float -> int conversions (the
 #: roundings are magic adds), local memory.
 PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
@@ -546,9 +498,10 @@ CHECK_VARIANTS = {
     "mxfp4-fp16-ocp-qj4": dict(fmt="mxfp4", in_dtype="float16", rule="ocp", qj=4),
     "nvfp4-bf16-swz-given-qj1": dict(fmt="nvfp4", swizzled=True, gs=GS_GIVEN, qj=1, warps=4, lut=0),
     "nvfp4-bf16-lin-given-ring-lut": dict(fmt="nvfp4", gs=GS_GIVEN, qj=8, warps=4, pipe=2, lut=32),
-    "nvfp4-bf16-swz-given-quad-ring": dict(fmt="nvfp4", swizzled=True, gs=GS_GIVEN, qj=8, warps=4, pipe=2, quad=True),
-    "nvfp4-fp16-swz-partials-quad-pf": dict(fmt="nvfp4", in_dtype="float16", swizzled=True, gs=GS_PARTIALS, qj=4,
-                                            warps=8, min_blocks=3, prefetch=True, quad=True),
+    "nvfp4-bf16-swz-given-ring-late": dict(fmt="nvfp4", swizzled=True, gs=GS_GIVEN, qj=8, warps=4, pipe=2,
+                                           pdl_early=False),
+    "nvfp4-fp16-swz-partials-pf-late": dict(fmt="nvfp4", in_dtype="float16", swizzled=True, gs=GS_PARTIALS, qj=4,
+                                            warps=8, min_blocks=3, prefetch=True, pdl_early=False),
 }
 
 

@@ -42,7 +42,8 @@ try:
                                fmul, frcp, half_to_f32, l2_evict_first, ld_nc_b32_if, ld_nc_u8_if, ld_nc_v2_if,
                                ld_nc_v4_if_any, lds_b32, lds_u8, shfl_bfly_max, st_b32, st_u8, st_v4_if,
                                store_staged, sts_b32, sts_u8, sts_v2,
-                               ue8m0_ceil_byte, vote_any, warp_sync, word_to_f32x2)
+                               ue8m0_ceil_byte, vote_any, warp_sync, word_to_f32x2, pdl_epilogue, pdl_launch_kw,
+                               pdl_prologue)
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -64,6 +65,7 @@ class Fp8Config:
     warps: int = 8
     min_blocks: int = 0          # launch bound: CTAs per SM the registers must allow (0: compiler's choice)
     l2_hint: bool = True         # 16-byte loads with an L2 evict_first policy (else plain ld.global.nc)
+    pdl_early: bool = True       # PDL trigger at the kernel start (decode sizes), else at its end (_quantize_ptx.py)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Fp8DqConfig:
     out_dtype: str = "bfloat16"  # "bfloat16" | "float16" | "float32"
     units: int = 8               # 16-byte output units per lane per step
     warps: int = 8
+    pdl_early: bool = True       # PDL trigger at the kernel start (decode sizes), else at its end (_quantize_ptx.py)
 
 
 if _HAVE_DSL:
@@ -121,11 +124,12 @@ if _HAVE_DSL:
         @cute.jit
         def __call__(self, x: Int64, q: Int64, scale: Int64, n_chunks: Int64, n_ctas: Int32, stream: cuda.CUstream):
             self.kernel(x, q, scale, n_chunks).launch(grid=[n_ctas, 1, 1], block=[32 * self.cfg.warps, 1, 1],
-                                                      stream=stream, **_bounds(self.cfg))
+                                                      stream=stream, **_bounds(self.cfg), **pdl_launch_kw())
 
         @cute.kernel
         def kernel(self, x: Int64, q: Int64, scale: Int64, n_chunks: Int64):
             cfg = self.cfg
+            pdl_prologue(cfg.pdl_early)
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             gdim, _, _ = cute.arch.grid_dim()
@@ -170,6 +174,7 @@ if _HAVE_DSL:
                 else:
                     self._scales_per_block(scale, ss, bb, nbv, lane)
                 warp_sync()
+            pdl_epilogue(cfg.pdl_early)
 
         def _load(self, x, cb, rem, lane, pol):
             """The ``qj`` chunks ``cb + 32 j + lane`` of a warp tile with ``rem`` valid chunks; past them the values
@@ -257,11 +262,12 @@ if _HAVE_DSL:
         @cute.jit
         def __call__(self, q: Int64, scale: Int64, out: Int64, n_units: Int64, n_ctas: Int32, stream: cuda.CUstream):
             self.kernel(q, scale, out, n_units).launch(grid=[n_ctas, 1, 1], block=[32 * self.cfg.warps, 1, 1],
-                                                       stream=stream)
+                                                       stream=stream, **pdl_launch_kw())
 
         @cute.kernel
         def kernel(self, q: Int64, scale: Int64, out: Int64, n_units: Int64):
             cfg = self.cfg
+            pdl_prologue(cfg.pdl_early)
             E = self.E
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -299,19 +305,20 @@ if _HAVE_DSL:
                         s = bits_f32(sc[j])
                     o = _dq_unit(raw[j], s, self.f32, cfg.out_dtype == "bfloat16")
                     st_v4_if(out + u * 16, o[0], o[1], o[2], o[3], Int32(u < n_units))
+            pdl_epilogue(cfg.pdl_early)
 
 
 # ------------------------------------------------------------------------------ CPU compile checks
 #: every variant: 16-byte (4-byte for tiles under 512 bytes) stores, exact E4M3 converts; no flush-to-zero, no float -> int, no local memory
-PTX_PATTERNS = (r"st\.global\.(v4\.)?b32", r"cvt\.rn\.(satfinite\.e4m3x2\.f32|f16x2\.e4m3x2)")
+PTX_PATTERNS = (r"st\.global\.(v4\.)?b32", r"cvt\.rn\.(satfinite\.e4m3x2\.f32|f16x2\.e4m3x2)", r"griddepcontrol\.wait")
 PTX_FORBIDDEN = (r"\.ftz\b", r"cvt\.r[nzmp]i\.[su]\d+\.f(32|64)", r"\.local\b")
 
 CHECK_VARIANTS = {
-    "quant-bf16-b128-fp32": ("q", dict(block=128, scale=SCALE_FP32)),
+    "quant-bf16-b128-fp32": ("q", dict(block=128, scale=SCALE_FP32, pdl_early=False)),
     "quant-fp16-b32-ue8m0": ("q", dict(block=32, scale=SCALE_UE8M0, in_dtype="float16")),
     "quant-bf16-b64-pow2-qj4": ("q", dict(block=64, scale=SCALE_POW2_F32, qj=4)),
     "quant-bf16-b128-ue8m0-qj1": ("q", dict(block=128, scale=SCALE_UE8M0, qj=1, warps=4)),
-    "dequant-b128-fp32-bf16": ("d", dict(block=128, ue8m0=False, out_dtype="bfloat16")),
+    "dequant-b128-fp32-bf16": ("d", dict(block=128, ue8m0=False, out_dtype="bfloat16", pdl_early=False)),
     "dequant-b32-ue8m0-f32": ("d", dict(block=32, ue8m0=True, out_dtype="float32")),
     "dequant-b64-fp32-f16": ("d", dict(block=64, ue8m0=False, out_dtype="float16")),
 }

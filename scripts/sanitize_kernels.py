@@ -36,20 +36,16 @@ KERNELS = {
     "dsl:dequant_fp4": "test_dequant_fp4.py",          # DequantFp4Kernel
     "dsl:sm90.fp4_probe": "test_fp4_decode.py",        # Fp4DecodeProbe (the shared E2M1 decoder)
     # indexer
-    "cuda:indexer_quant_kernel": "test_indexer.py",    # cache write + q quant
     "dsl:indexer_quant": "test_indexer_quant.py",      # DSL cache write + q quant
     "cuda:indexer_logits_kernel": "test_indexer.py",   # NVFP4 paged logits (decode)
     "dsl:indexer_paged": "test_indexer_dsl.py",        # PagedLogitsKernel
     "dsl:indexer_prefill": "test_indexer_dsl.py",      # PrefillLogitsKernel
     "dsl:indexer_fp8_rows": "test_indexer_dsl.py",     # Fp8RowsKernel
-    "dsl:indexer_paged_hist": "test_indexer_topk_paged.py",  # PagedLogitsKernel + histogram epilogue (fused)
-    "cuda:topk_select_kernel": "test_indexer_topk_paged.py",
     # top-k
     "cuda:topk_kernel": "test_topk.py",
     # KV cache
     "dsl:kv_cache_append": "test_kv_cache.py",         # KvAppendKernel
     "dsl:kv_gather": "test_kv_cache.py",               # KvGatherKernel
-    "cuda:kv_append_kernel": "test_kv_cache.py",
     "cuda:kv_gather_kernel": "test_kv_cache.py",
     "cuda:kv_compress_prefill_kernel": "test_kv_cache.py",
     "cuda:kv_compress_decode_kernel": "test_kv_cache.py",

@@ -311,7 +311,7 @@ def _recall(ref: torch.Tensor, got: torch.Tensor, k: int) -> float:
 
 def test_kernels_compile_sm90a_wgmma_cpu():
     """NVRTC compiles every variant for sm_90a; the logits kernel (NVFP4 paged decode only) uses BF16 WGMMA
-    and cp.async; the quantizer's Hadamard runs in fp32 (the rotate_activation contract of dsv4.reference.hadamard)."""
+    and cp.async."""
     from kernels_cuda.nvrtc import load
     for fmt in (0, 1, 2):
         for nq in (1, 2, 3, 4):
@@ -324,18 +324,13 @@ def test_kernels_compile_sm90a_wgmma_cpu():
             assert "cp.async.cg.shared.global" in ptx and "fence.proxy.async" in ptx
             assert "fma.rn.bf16x2" in ptx
             assert "e4m3.e4m3" not in ptx          # the retired FP8-WGMMA variants are gone
-        for had in (0, 1):
-            ptx = load("indexer.cu", IDX_FMT=fmt, IDX_HADAMARD=had).ptx()
-            assert "shfl.sync.bfly" in ptx
-            assert "f64" not in ptx                # the rotation contract is fp32 (dsv4.reference.hadamard)
-            assert ("sub.rn.f32" in ptx) == bool(had)
 
 
 # =========================================================================================
 # GPU gates
 def _cuda_only():
-    """The quantizers on the CUDA kernels (their only GPU provider)."""
-    return use(indexer_cache_write="cuda", indexer_q_quant="cuda")
+    """The quantizers on their GPU provider (the CuTe DSL kernels; the CUDA ones are deleted)."""
+    return use(indexer_cache_write="dsl", indexer_q_quant="dsl")
 
 
 def _results(name: str, obj) -> None:

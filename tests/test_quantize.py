@@ -230,7 +230,7 @@ def _swz_off(m, k, Kt):
 
 @pytest.mark.parametrize("M,Ksf", [(1, 448), (127, 448), (129, 256), (300, 65), (1, 3), (3, 5), (256, 6)])
 def test_emulated_swizzled_stores_cover_the_layout_exactly_once(M, Ksf):
-    """quantize.cu scale stores (real blocks) + its padding loops write every byte of the
+    """kernels_dsl/quantize_fp4.py scale stores (real blocks) + its padding loops write every byte of the
     [Mt, Kt, 32, 4, 4] layout exactly once, at dsv4.formats.swizzled_sf_offset for real (m, k)."""
     Kt, Mt = -(-Ksf // 4), -(-M // 128)
     hits = np.zeros(Mt * Kt * 512, np.int64)
@@ -239,9 +239,14 @@ def test_emulated_swizzled_stores_cover_the_layout_exactly_once(M, Ksf):
     real = _swz_off(m, k, Kt)
     np.testing.assert_array_equal(real, F.swizzled_sf_offset(torch.from_numpy(m), torch.from_numpy(k), Ksf).numpy())
     np.add.at(hits, real, 1)
-    i = np.arange((Mt * 128 - M) * Kt)                           # pad rows: one u32 per (row, kt)
-    r = i // Kt
-    w = _swz_off(M + r, 4 * (i - r * Kt), Kt)
+    # pad rows: the Kt x 128 words of the last 128-row block in memory order, word j of a cell group = row
+    # 32 (j & 3) + (j >> 2) of the block, stored when that row is >= M
+    b_last = Mt - 1
+    i = np.arange(Kt * 128 if Mt * 128 > M else 0)
+    jw = i & 127
+    row = b_last * 128 + 32 * (jw & 3) + (jw >> 2)
+    w = ((b_last * Kt + (i >> 7)) * 512 + jw * 4)[row >= M]
+    np.testing.assert_array_equal(np.sort(w), np.sort(_swz_off(row[row >= M], 4 * (i >> 7)[row >= M], Kt)))
     for b in range(4):
         np.add.at(hits, w + b, 1)
     padc = 4 * Kt - Ksf                                           # pad columns of real rows: bytes
@@ -250,57 +255,6 @@ def test_emulated_swizzled_stores_cover_the_layout_exactly_once(M, Ksf):
         mm = i // padc
         np.add.at(hits, _swz_off(mm, Ksf + (i - mm * padc), Kt), 1)
     assert (hits == 1).all(), (np.unique(hits, return_counts=True))
-
-
-def _quad_tiles(M, K, qj, warps, gdim, reverse):
-    """kernels_dsl/quantize_fp4.py row-quad tiles (``Fp4QuantizeKernel._quad`` / ``_pos`` and the cell stores),
-    emulated: {chunk: times loaded + stored}, {swizzled scale byte: (times written, row, k)}."""
-    tile = 32 * qj
-    Ksf = K // 16
-    Kt = -(-Ksf // 4)
-    Mpad = 128 * -(-M // 128)
-    cpr = 2 * Ksf
-    nseg = -(-cpr // tile)
-    Qn = (Mpad >> 2) * nseg
-    nq = warps // 4
-    groups = -(-Qn // nq)
-    chunks: dict = {}
-    cells: dict = {}
-    for b in range(gdim):
-        for i in range(max(0, -(-(groups - b) // gdim))):
-            for w in range(warps):
-                wr = w % 4
-                Qf = (b * nq + w // 4) + i * gdim * nq
-                Q = Qn - 1 - Qf if reverse else Qf
-                quad, seg = divmod(Q, nseg)
-                ngq = min(cpr - seg * tile, tile) // 8
-                row = (quad >> 5) * 128 + (quad & 31) + 32 * wr
-                rem = ngq * 8 if (row < M and Qf < Qn) else 0
-                for c in range(row * cpr + seg * tile, row * cpr + seg * tile + rem):
-                    chunks[c] = chunks.get(c, 0) + 1
-                if wr == 0 and Qf < Qn:
-                    for lane in range(ngq):
-                        base = ((quad >> 5) * Kt + seg * (tile // 8) + lane) * 512 + (quad & 31) * 16
-                        for w2 in range(4):                  # word w2 of the cell: warp 4 (w // 4) + w2's row
-                            for q in range(4):
-                                n, _, _ = cells.get(base + 4 * w2 + q, (0, 0, 0))
-                                cells[base + 4 * w2 + q] = (n + 1, row + 32 * w2, 4 * (seg * (tile // 8) + lane) + q)
-    return chunks, cells, (Mpad // 128) * Kt * 512
-
-
-@pytest.mark.parametrize("M,K", [(1, 64), (16, 7168), (127, 448), (129, 1024), (300, 7168)])
-@pytest.mark.parametrize("qj,warps", [(8, 4), (4, 8), (1, 4)])
-def test_emulated_quad_tiles_cover_data_and_swizzled_layout_once(M, K, qj, warps):
-    """Row-quad tiles: every chunk of x is loaded and its code stored by exactly one warp tile, every byte of
-    the 128x4 swizzled scale tensor (padding rows included) is written exactly once, with the scale of the
-    (row, k) that dsv4.formats.swizzled_sf_offset puts there -- for several grids, forward and reversed."""
-    for gdim, reverse in ((1, 0), (3, 1), (7, 0), (64, 1)):
-        chunks, cells, total = _quad_tiles(M, K, qj, warps, gdim, reverse)
-        assert sorted(chunks) == list(range(M * K // 8)) and set(chunks.values()) == {1}
-        assert sorted(cells) == list(range(total)) and {n for n, _, _ in cells.values()} == {1}
-        Kt = -(-(K // 16) // 4)
-        for off, (_, m, k) in cells.items():
-            assert _swz_off(m, k, Kt) == off
 
 
 def test_emulated_markstein_division_is_correctly_rounded():
@@ -474,6 +428,25 @@ def test_gpu_providers_have_no_host_sync(module):
         assert bad not in src, bad
 
 
+def test_dsl_kernels_wait_for_the_preceding_grid_before_any_global_access():
+    """Programmatic dependent launch (kernels_dsl/_quantize_ptx.py pdl_*): in the PTX of the providers' kernels
+    (large class: trigger at the end; decode class: at the start) ``griddepcontrol.wait`` comes before every
+    global load / store / bulk copy / atomic, and the large class triggers the next launch only after its stores."""
+    import re
+    pytest.importorskip("cutlass")
+    import kernels_dsl.quantize as kq
+    names = ["nvfp4-swz-amax-8192x8192", "fp8-b128-ue8m0-16x7168", "dequant-b128-bf16-8192x8192"]
+    for name, ptx in kq.compile_check(only=names).items():
+        body = ptx[ptx.index(".entry"):]
+        first = min(m.start() for m in re.finditer(r"\b(ld|st|atom|red)\.global|cp\.async\.bulk", body))
+        assert body.index("griddepcontrol.wait") < first, name
+        trig = body.index("griddepcontrol.launch_dependents")
+        if "8192x8192" in name:
+            assert trig > max(m.start() for m in re.finditer(r"\bst\.global", body)), name
+        else:
+            assert trig < first, name
+
+
 def test_dsl_plans_are_frozen_configs_by_size_class():
     """The DSL launch geometry is a frozen Plan chosen from the problem (no environment switches):
     the measured LARGE geometry from two waves of warp tiles, short 4-warp tiles at decode sizes, the
@@ -490,6 +463,11 @@ def test_dsl_plans_are_frozen_configs_by_size_class():
         big.ctas_per_sm = 1
     small = kq.plan_mxfp4("bfloat16", "dsv4", 16, 7168, 132).cfg
     assert small.warps == 4 and small.qj == 1 and small.pipe == 0
+    # programmatic dependent launch: the next kernel may start early at decode sizes, as this one drains when large
+    assert not big.cfg.pdl_early and small.pdl_early
+    assert not kq.plan_dequant(128, False, "bfloat16", 8192, 8192, 132).cfg.pdl_early
+    assert kq.plan_dequant(128, False, "bfloat16", 16, 7168, 132).cfg.pdl_early
+    assert kq.plan_nvfp4("bfloat16", True, False, 16, 7168, 132).cfg.pdl_early
     assert kq.plan_nvfp4("bfloat16", True, False, 8192, 8192, 132).path == "partials"
     assert kq.plan_nvfp4("bfloat16", True, False, 16, 7168, 132).path == "grid"
     assert kq.plan_nvfp4("bfloat16", False, False, 1, 7168, 132).path == "fused"

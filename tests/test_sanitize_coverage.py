@@ -25,7 +25,7 @@ def _mod(name):
 def test_kernel_table_is_every_kernel_of_the_sources():
     sk = _mod("sanitize_kernels")
     found = sk.source_kernels()
-    assert len(found) >= 30, sorted(found)
+    assert len(found) >= 24, sorted(found)
     assert not found - set(sk.KERNELS), f"kernels with no sanitize coverage entry in scripts/sanitize_kernels.py " \
                                         f"KERNELS: {sorted(found - set(sk.KERNELS))}"
     assert not set(sk.KERNELS) - found, f"KERNELS entries no source defines (renamed?): {sorted(set(sk.KERNELS) - found)}"

@@ -33,6 +33,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
+from ._plan import planned
 
 __all__ = ["attn_lists", "AttnLists"]
 
@@ -152,6 +153,7 @@ def _int(name: str, v, lo: int, hi: int = _I64_MAX, *, none_ok: bool = False):
     return v
 
 
+@planned
 def attn_lists(positions: torch.Tensor, req_idx: torch.Tensor, swa_block_table: torch.Tensor, swa_block_size: int,
                *, kind: str = "swa", window: int = 128, ring: Optional[int] = 128, first=0,
                swa_num_blocks: Optional[int] = None, block_table: Optional[torch.Tensor] = None,

@@ -14,6 +14,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
+from ._plan import planned
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -78,6 +79,7 @@ def _(data, scale, global_scale, fmt, out_dtype):
     return data.new_empty((data.shape[0], 2 * data.shape[1]), dtype=out_dtype)
 
 
+@planned
 def dequant_fp4(data: torch.Tensor, scale: torch.Tensor, *, fmt: str = "mxfp4",
                 global_scale: Optional[torch.Tensor] = None,
                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

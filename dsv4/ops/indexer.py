@@ -68,6 +68,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..reference.indexer import normalize_context_lens
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
+from ._plan import planned
 from .topk import K_MAX
 
 __all__ = ["indexer_cache_write", "indexer_q_quant", "indexer_logits", "indexer_logits_paged",
@@ -203,6 +204,7 @@ def _(cache, k, slot_mapping, global_scale, fmt, hadamard):
     return None
 
 
+@planned
 def indexer_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, *, fmt: str = "mxfp4",
                         global_scale: Optional[torch.Tensor] = None, hadamard: bool = True) -> None:
     """Write keys into the paged indexer key cache (in place).
@@ -280,6 +282,7 @@ def _(q, w, global_scale, fmt, hadamard):
     return q_quant_outputs(q, fmt)
 
 
+@planned
 def indexer_q_quant(q: torch.Tensor, w: torch.Tensor, *, fmt: str = "mxfp4", hadamard: bool = True,
                     global_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize indexer queries.
@@ -350,6 +353,7 @@ def _sbq(fmt: str) -> int:
     return 0 if fmt == "fp8" else FORMATS[fmt][1]
 
 
+@planned
 def indexer_logits(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, k_data: torch.Tensor,
                    k_sf: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, *, fmt: str = "mxfp4",
                    q_global: Optional[torch.Tensor] = None, k_global: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -496,6 +500,7 @@ def _check_paged(op: str, spec: OpSpec, q_data, q_sf, w, cache, context_lens, bl
     return lens, int(max_ctx)
 
 
+@planned
 def indexer_logits_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, *, fmt: str = "mxfp4",
                          max_ctx: Optional[int] = None, q_global: Optional[torch.Tensor] = None,
@@ -533,6 +538,7 @@ def indexer_logits_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tens
 
 # =========================================================================================
 # 5. top-k
+@planned
 def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k indices of each row of indexer logits: the :func:`dsv4.ops.topk.topk` op (its
     own registry entry, spec and kernel), named here for the indexer pipeline.
@@ -608,6 +614,7 @@ def _(q_data, q_sf, w, cache, lens, block_table, q_global, k_global, fmt, max_ct
     return w.new_empty((rows, k), dtype=torch.int32), w.new_empty((rows, k))
 
 
+@planned
 def indexer_topk_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
                        context_lens: torch.Tensor, block_table: torch.Tensor, k: int, *, fmt: str = "mxfp4",
                        max_ctx: Optional[int] = None, q_global: Optional[torch.Tensor] = None,
@@ -618,9 +625,8 @@ def indexer_topk_paged(q_data: torch.Tensor, q_sf: torch.Tensor, w: torch.Tensor
     Equivalent to ``topk(indexer_logits_paged(...), lengths, k, block_table=..., rows_per_seq=next_n)``
     (:func:`indexer_logits_paged`, :func:`dsv4.ops.topk.topk`), as one op.
 
-    Providers: ``dsl`` for MXFP4 / FP8 keys (fused: the logits kernel's selection-histogram epilogue
-    + ``topk_select_kernel`` where next_n <= 2 and the batch gives the select kernel 16 CTAs per
-    row, else the two kernels in sequence; bitwise the same result); NVFP4 keys have no kernel
+    Providers: ``dsl`` for MXFP4 / FP8 keys (the DSL logits kernel, then the top-k kernel of
+    :func:`dsv4.ops.topk.topk`; bitwise the two ops called in sequence); NVFP4 keys have no kernel
     provider for this op yet and run the torch reference (call :func:`indexer_logits_paged`, which
     has a CUDA NVFP4 kernel, then :func:`dsv4.ops.topk.topk` for the kernel path).
 

@@ -52,6 +52,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
+from ._plan import planned
 
 KV_DIM, IDX_DIM, ROPE_DIM = 512, 128, 64
 #: compression ratios of the compressor ops: 4 (CSA, overlapping windows) and 128 (HCA)
@@ -208,6 +209,7 @@ def _(cache, kv, slot_mapping):
     return None
 
 
+@planned
 def kv_cache_append(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, *,
                     debug_check: bool = False) -> None:
     """Write ``kv`` rows into a paged KV cache (in place), quantizing to the cache's format.
@@ -322,6 +324,7 @@ def _(cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table, sw
     return indices.new_empty((indices.shape[0], W + indices.shape[1], KV_DIM), dtype=torch.bfloat16)
 
 
+@planned
 def kv_gather(cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, *, lens: torch.Tensor,
               req_idx: Optional[torch.Tensor] = None, swa_cache: Optional[torch.Tensor] = None,
               swa_block_table: Optional[torch.Tensor] = None, swa_indices: Optional[torch.Tensor] = None,
@@ -544,6 +547,7 @@ def _(kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache, 
     return None
 
 
+@planned
 def kv_compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                         rope_cos_sin: torch.Tensor, cu_seqlens: torch.Tensor, block_table: torch.Tensor,
                         cache: torch.Tensor, *, kv_state: Optional[torch.Tensor] = None,
@@ -625,6 +629,7 @@ def kv_compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
                                        kv_state, score_state, float(eps))
 
 
+@planned
 def kv_compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                        rope_cos_sin: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
                        cache: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor, *,

@@ -47,6 +47,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
+from ._plan import planned
 
 FORMATS = {"mxfp4": 32, "nvfp4": 16}
 _SCALE_DTYPE = {"mxfp4": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}
@@ -370,6 +371,7 @@ def _(x, gate_weight, bias, input_ids, tid2eid, topk, route_scale):
     return (x.new_empty((T, topk), dtype=torch.int32), x.new_empty((T, topk), dtype=torch.float32))
 
 
+@planned
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, *, topk: int = 6, route_scale: float = 1.5,
               bias: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
               tid2eid: Optional[torch.Tensor] = None,
@@ -577,6 +579,7 @@ def _check_routing(op: str, x, topk_idx, topk_w) -> None:
             raise LayoutError(f"{op}: argument '{name}' is on {t.device}, 'x' on {x.device}")
 
 
+@planned
 def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int, *,
                 act: str = "fp8", layout: str = "contiguous", max_m: Optional[int] = None,
                 debug_check: bool = False) -> MoEGrouped:
@@ -640,6 +643,7 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, n
     return MoEGrouped(a, a_s if act == "fp8" else None, row_start, row_count, rw, pos)
 
 
+@planned
 def moe_combine(y: torch.Tensor, pos: torch.Tensor, num_tokens: int, topk: int, *,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Un-permute and sum: ``out[t] = sum_j y[pos[t*k + j]]`` (rows with ``pos = -1`` add 0).
@@ -808,6 +812,7 @@ def _check_hint(op: str, max_m) -> int:
     return _check_int(op, "max_m", max_m, 0, what="scheduling hint: the largest rows of one expert")
 
 
+@planned
 def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped GEMM1 + clamped SwiGLU + routing weight (+ FP8 requant).
 
@@ -845,6 +850,7 @@ def moe_gemm1_swiglu(g: MoEGrouped, w: MoEWeights, *, max_m: Optional[int] = Non
                                            g.route_w, w.fmt, _check_hint("moe_gemm1_swiglu", max_m), g.pos.numel())
 
 
+@planned
 def moe_gemm2(h: torch.Tensor, h_s: Optional[torch.Tensor], g: MoEGrouped, w: MoEWeights, *,
               max_m: Optional[int] = None) -> torch.Tensor:
     """Grouped GEMM2 (down-proj): ``y[r] = g2[e] * (h[r] * h_s) @ W2[e]^T`` in fp32.

@@ -29,6 +29,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import GraphCase, bytes_of, dtype_name
+from ._plan import planned
 
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SF_LAYOUTS = ("linear", "swizzled")
@@ -272,6 +273,7 @@ def _flatten_rows(name: str, x: torch.Tensor, opname: str) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+@planned
 def quantize_nvfp4(x: torch.Tensor, *, global_scale: Optional[torch.Tensor] = None,
                    sf_layout: str = "linear") -> NVFP4Tensor:
     """Quantize ``x [M, K]`` to NVFP4 (E2M1 + E4M3 per 16 along K + FP32 global scale).
@@ -315,6 +317,7 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale: Optional[torch.Tensor] = No
                        global_encode_scale=gs[1])
 
 
+@planned
 def quantize_mxfp4(x: torch.Tensor, *, rule: str = "dsv4") -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., K]`` to MXFP4 (E2M1 + UE8M0 per 32 along K, no global scale).
 
@@ -347,6 +350,7 @@ def quantize_mxfp4(x: torch.Tensor, *, rule: str = "dsv4") -> Tuple[torch.Tensor
     return data.reshape(*lead, K // 2), scale.reshape(*lead, K // 32)
 
 
+@planned
 def quantize_fp8_block(x: torch.Tensor, *, block: int = 128, scale_fmt: str = "fp32",
                        scale_dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., K]`` to E4M3 with one scale per ``1 x block`` along K (DSV4 act_quant).
@@ -388,6 +392,7 @@ def quantize_fp8_block(x: torch.Tensor, *, block: int = 128, scale_fmt: str = "f
     return q.reshape(*lead, K), scale.reshape(*lead, K // block)
 
 
+@planned
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, *, block: int = 128,
                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """E4M3 block data back to real values: ``q * scale`` per block (fp32 math, one rounding).

@@ -47,6 +47,7 @@ from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
 from ._common import dtype_name
+from ._plan import planned
 from .kv_cache import _CACHE_PACKING, _cache_info, _cache_pair, _check_ids
 
 __all__ = ["sparse_attention", "sparse_attention_decode", "window_slots", "compressed_slots", "hca_slots",
@@ -140,6 +141,7 @@ def _check_lists(name: str, idx: torch.Tensor, lens_name: str, lens: torch.Tenso
         raise ValueError(f"sparse_attention: {lens_name} must lie in [0, {idx.shape[1]}]")
 
 
+@planned
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor, swa_lens: torch.Tensor,
                      sink: Optional[torch.Tensor] = None, *, cache: Optional[torch.Tensor] = None,
                      indices: Optional[torch.Tensor] = None, lens: Optional[torch.Tensor] = None,
@@ -217,6 +219,7 @@ def validate_args(q, swa_cache, swa_indices, swa_lens, sink=None, *, cache=None,
     return q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, float(scale), num_splits
 
 
+@planned
 def sparse_attention_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
                             swa_lens: torch.Tensor, sink: Optional[torch.Tensor] = None, *,
                             cache: Optional[torch.Tensor] = None, indices: Optional[torch.Tensor] = None,

@@ -19,6 +19,7 @@ import torch
 from ..layout import OpSpec, Param, TensorSpec
 from ..registry import Op, Problem, custom_op, register
 from ..target import Target
+from ._plan import planned
 
 K_MAX = 2048
 
@@ -123,6 +124,7 @@ def _check_int(name: str, v, lo: int, hi: int | None = None) -> int:
     return v
 
 
+@planned
 def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: Optional[torch.Tensor] = None,
          block_table: Optional[torch.Tensor] = None, block_size: int = 0, rows_per_seq: int = 1,
          return_scores: bool = False, sorted: bool = False, num_blocks: Optional[int] = None):

@@ -1,0 +1,447 @@
+"""Per-signature plan cache of the public ops' eager path (issue 17: <= 20 us of host time per call).
+
+A public op function decorated with :func:`planned` keeps, per *signature* of its arguments, a plan
+recorded from its second call with that signature (the first runs plain, so one-time set-up is not
+recorded): the chosen provider, the problem, where each argument of the provider's ``run`` came
+from (an argument of the public call, a field of one, a view of one, or a constant), and how the
+result is built from the provider's outputs. A later call with the same signature skips the argument
+checks, the spec validation, the op boundary and the provider selection (they passed, or chose,
+for exactly these facts) and replays the provider's recorded host trace (:data:`TRACE`,
+dsv4/ops/_trace.py: its allocations, views and kernel launches, none of its Python), or calls its
+``run`` where the trace cannot be replayed. Model: the guards of ``torch.compile`` / CUDA-graph
+trees: a cheap key, checked per call, that covers everything the skipped work depends on.
+
+The signature (the cache key, built from C-level attribute reads) is: the type of every argument
+and keyword name; per tensor its shape, strides, dtype, device and ``data_ptr() % 16`` (the spec
+checks read nothing else of a tensor: contiguity is the strides, alignments are <= 16 bytes); every
+other argument's value (ints, floats, strings, None, dtypes, and the fields of tuples / NamedTuples
+/ dataclasses such as ``MoEGrouped`` / ``MoEWeights``, recursively); and the registry state
+(the thread's :func:`dsv4.registry.use` stack, ``DSV4_OPS``). :meth:`dsv4.registry.Op.clear_cache`
+empties every plan cache.
+
+What is never planned (the call always takes the full path; a negative entry makes that one dict
+lookup): a call whose public function reads tensor values on the host (``debug_check=True``, the
+value checks of CPU tensors: found during the recording by a torch dispatch mode, which flags ops
+with a value-dependent result such as ``item`` / ``nonzero`` / boolean masks, and by watching
+``Tensor.__bool__`` / ``tolist`` / ``numpy`` ..., so no op has to declare them), a call that makes
+no dispatch or more than one (an early return, a composite such as ``moe_experts``: its inner ops
+are planned on their own), a call whose provider arguments include a tensor that is not one of the
+caller's or a view of one (built inside the public function), or a result that is not the
+provider's outputs re-packed.
+
+The plan path is taken only in plain eager mode, the same test as the eager direct call
+(:data:`dsv4.registry.EAGER_DIRECT`, not compiling / exporting, no torch dispatch or function mode,
+no functorch transform, the profiler off), outside CUDA-graph capture and without
+``DSV4_PRINT_LAYOUTS``; anything else is the full path. Bounded: :data:`MAX_PLANS` per op (LRU).
+:data:`ENABLED` = False switches it off (tests, ``bench_eager.py --variants``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import registry
+from . import _trace
+
+__all__ = ["ENABLED", "MAX_PLANS", "clear", "plan_of", "planned", "stats"]
+
+#: False: every call takes the full path (the checks, validation, dispatch)
+ENABLED = True
+#: plans kept per public function (least recently used dropped first)
+MAX_PLANS = 256
+_HALF = MAX_PLANS // 2
+#: True: a plan replays the host trace of its provider's ``run`` recorded on the signature's second call
+#: (dsv4/ops/_trace.py: the allocations, views and launches only); False (or a run the trace cannot
+#: replay): the plan calls ``run``. Bit-identical to the full path for every graph case of every op on
+#: the H200 (tests/test_plan_cache.py, job eager9-01)
+TRACE = True
+
+_Tensor, _Param = torch.Tensor, torch.nn.Parameter
+_ATOMS = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, bytes))
+_CACHES: list[OrderedDict] = []
+_stats = {"hits": 0, "misses": 0, "planned": 0, "unplanned": 0}
+_lock = threading.Lock()
+
+
+class _Unkeyable(Exception):
+    """An argument the key cannot describe (a tensor subclass, an arbitrary object): full path."""
+
+
+def _k(v: Any) -> Any:
+    """The key of one argument (see the module docstring)."""
+    tp = type(v)
+    if tp is _Tensor or tp is _Param:
+        return (v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15)
+    if tp is int or tp is float or tp is bool:                  # 1 == 1.0 == True: the type is part of it
+        return (tp, v)
+    if tp in _ATOMS:
+        return v
+    if isinstance(v, tuple) or tp is list:                      # tuples, NamedTuples (MoEGrouped), lists
+        return (tp, tuple(map(_k, v)))
+    d = getattr(v, "__dict__", None)
+    if d is not None and dataclasses.is_dataclass(tp):          # MoEWeights
+        return (tp, tuple(d), tuple(map(_k, d.values())))
+    raise _Unkeyable(tp.__name__)
+
+
+def key_of(args: tuple, kwargs: dict) -> tuple:
+    """The signature key of a call's arguments (see the module docstring)."""
+    return (tuple(map(_k, args)), tuple(kwargs), tuple(map(_k, kwargs.values())))
+
+
+def _plain_eager() -> Callable[[], bool]:
+    C = torch._C
+    modes, fmode = C._len_torch_dispatch_stack, C._is_torch_function_mode_enabled
+    functorch, profiling = C._functorch.peek_interpreter_stack, C._autograd._profiler_enabled
+    compiling = torch.compiler.is_compiling
+    capturing = getattr(C, "_cuda_isCurrentStreamCapturing", None)
+    initialized = torch.cuda.is_initialized
+    getenv, tls = registry._getenv, registry._tls
+
+    def plain() -> bool:
+        if (compiling() or not registry.EAGER_DIRECT or tls.rec is not None or modes() or fmode()
+                or functorch() is not None or profiling() or getenv("DSV4_PRINT_LAYOUTS")):
+            return False
+        # CUDA-graph capture keeps the full path (asked only once CUDA is initialized: never initializes it;
+        # not torch.cuda.is_available(), which reads an environment variable per call)
+        return not (capturing is not None and initialized() and capturing())
+    return plain
+
+
+_plain = _plain_eager()
+registry._INVALIDATE.append(lambda: clear())
+
+
+# --------------------------------------------------------------------------------------------
+# recording the first call of a signature
+class _Recorder:
+    """What one full call did: its dispatches, and whether it read tensor values on the host."""
+
+    def __init__(self):
+        self.dispatches: list[tuple] = []
+        self.read_values = False
+        self.in_run = 0
+        #: the :class:`~dsv4.ops._trace.Trace` of the provider's run while it runs (its launch hooks read it)
+        self.trace = None
+        #: the op handles call their kernels directly (under the recording's dispatch mode, as in plain eager)
+        self.direct = True
+
+    def dispatched(self, op, provider, choice, problem, args):   # called by Op.dispatch
+        if self.in_run:                  # an op the provider calls (indexer_topk_paged -> topk): part of its run
+            return provider.run(problem, **args)
+        self.in_run += 1
+        tr = _trace.Trace(args) if TRACE else None
+        try:
+            if tr is None:
+                out = provider.run(problem, **args)
+            else:
+                self.trace = tr
+                with tr:
+                    out = provider.run(problem, **args)
+        finally:
+            self.in_run -= 1
+            self.trace = None
+        self.dispatches.append((op, provider, choice, problem, args, out, tr, registry._CONFIG.get(op.name)))
+        return out
+
+
+_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu")
+_watch = {"n": 0, "saved": {}}
+
+
+def _watch_reads(on: bool) -> None:
+    """Patch (on) / restore (off) the Tensor methods that read values on the host: a read made by the
+    public function (not by the provider's run) while a recording is active marks it."""
+    with _lock:
+        if on:
+            _watch["n"] += 1
+            if _watch["n"] > 1:
+                return
+            for name in _READS:
+                orig = getattr(_Tensor, name)
+                _watch["saved"][name] = (orig, _Tensor.__dict__.get(name))
+
+                def w(self, *a, _orig=orig, _name=name, **k):
+                    rec = registry._tls.rec
+                    if rec is not None:
+                        if not rec.in_run:
+                            rec.read_values = True
+                        elif rec.trace is not None and not rec.trace.why:    # the provider's run: no replay
+                            rec.trace.why = f"reads tensor values on the host (Tensor.{_name})"
+                    return _orig(self, *a, **k)
+                setattr(_Tensor, name, w)
+        else:
+            _watch["n"] -= 1
+            if _watch["n"]:
+                return
+            for name, (_orig, own) in _watch["saved"].items():
+                if own is None:
+                    delattr(_Tensor, name)
+                else:
+                    setattr(_Tensor, name, own)
+            _watch["saved"].clear()
+
+
+def _bases(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """``(expression, tensor)`` of every tensor of a call: an argument (``a[i]`` positional, ``kw[name]``
+    keyword) or a field of one (tuples / NamedTuples / dataclasses, one level deep), which the same
+    expression finds in another call of the same signature."""
+    out: list[tuple[str, torch.Tensor]] = []
+
+    def add(v, expr, depth):
+        if isinstance(v, _Tensor):
+            out.append((expr, v))
+        elif depth and isinstance(v, (tuple, list)):
+            for i, x in enumerate(v):
+                add(x, f"{expr}[{i}]", depth - 1)
+        elif depth and dataclasses.is_dataclass(type(v)) and hasattr(v, "__dict__"):
+            for n, x in v.__dict__.items():
+                if n.isidentifier():
+                    add(x, f"{expr}.{n}", depth - 1)
+    for i, v in enumerate(args):
+        add(v, f"a[{i}]", 1)
+    for n, v in kwargs.items():
+        add(v, f"kw[{n!r}]", 1)
+    return out
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` byte addresses that ``t`` can touch."""
+    lo = hi = t.data_ptr()
+    es = t.element_size()
+    for n, st in zip(t.shape, t.stride()):
+        if n == 0:
+            return lo, lo
+        if st > 0:
+            hi += (n - 1) * st * es
+        else:
+            lo += (n - 1) * st * es
+    return lo, hi + es
+
+
+def _derive(v: torch.Tensor, bases: list[tuple[str, torch.Tensor]], g: dict) -> str | None:
+    """Source that rebuilds ``v`` from one of ``bases`` in a call of the same signature: the base itself,
+    or a view of it (``.view(shape)`` of a contiguous re-shape / re-type at the same address, else
+    ``as_strided`` at the same element offset). A view is accepted only when exactly one base holds
+    ``v``'s bytes (arguments that alias each other would make the choice ambiguous); None otherwise."""
+    for e, b in bases:
+        if v is b:
+            return e
+    if v.numel() == 0:
+        return None
+    lo, hi = _extent(v)
+    holders = []
+    for e, b in bases:
+        if b.device == v.device and b.numel():
+            blo, bhi = _extent(b)
+            if blo <= lo and hi <= bhi:
+                holders.append((e, b))
+    if len(holders) != 1:
+        return None
+    e, b = holders[0]
+    shape = tuple(v.shape)
+    if (v.data_ptr() == b.data_ptr() and v.is_contiguous() and b.is_contiguous()
+            and v.numel() * v.element_size() == b.numel() * b.element_size()):
+        if v.dtype != b.dtype:
+            g[f"DT{len(g)}"] = v.dtype
+            e = f"{e}.view(DT{len(g) - 1})"
+        return f"{e}.view({shape})"
+    if v.dtype == b.dtype and (v.data_ptr() - b.data_ptr()) % v.element_size() == 0:
+        off = (v.data_ptr() - b.data_ptr()) // v.element_size()
+        return f"{e}.as_strided({shape}, {tuple(v.stride())}, {e}.storage_offset() + {off})"
+    return None
+
+
+def _out_expr(r: Any, outs: list[tuple[str, torch.Tensor]], g: dict) -> str | None:
+    """Source of the public function's result ``r`` over the provider's outputs (``outs``: ``o`` or
+    ``o[i]``): an output or a view of one, ``None``, a constant, a tuple / NamedTuple of those, or a
+    dataclass of those (built without its ``__init__`` / ``__post_init__``: they checked and normalized
+    the same fields on the first call); None when it is anything else (a tensor computed by the
+    public function)."""
+    if r is None:
+        return "None"
+    if isinstance(r, _Tensor):
+        return _derive(r, outs, g)
+    if type(r) in _ATOMS:
+        g[f"K{len(g)}"] = r
+        return f"K{len(g) - 1}"
+    if isinstance(r, tuple) and (type(r) is tuple or hasattr(type(r), "_fields")):
+        if all(type(x) in _ATOMS for x in r):
+            g[f"K{len(g)}"] = r
+            return f"K{len(g) - 1}"
+        parts = [_out_expr(x, outs, g) for x in r]
+        if None in parts:
+            return None
+        if type(r) is tuple:
+            return "(" + "".join(p + ", " for p in parts) + ")"
+        g[f"R{len(g)}"] = type(r)
+        return f"R{len(g) - 1}(" + ", ".join(parts) + ")"
+    d = getattr(r, "__dict__", None)
+    if d is not None and dataclasses.is_dataclass(type(r)) and all(n.isidentifier() for n in d):
+        parts = [_out_expr(x, outs, g) for x in d.values()]
+        if None in parts:
+            return None
+        g["NEW"] = _trusted_new
+        g[f"R{len(g)}"] = type(r)
+        return f"NEW(R{len(g) - 1}, " + ", ".join(f"{n}={p}" for n, p in zip(d, parts)) + ")"
+    return None
+
+
+def _trusted_new(cls: type, **fields: Any) -> Any:
+    """An instance of the dataclass ``cls`` with ``fields``, without running its ``__init__``."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+def _make_plan(name: str, args: tuple, kwargs: dict, rec: _Recorder, result: Any) -> Callable | None:
+    """The hit path of this signature (``hit(a, kw) -> result``), or None when it cannot be planned."""
+    if rec.read_values or len(rec.dispatches) != 1:
+        return _why(name, "reads tensor values on the host" if rec.read_values else
+                    f"{len(rec.dispatches)} dispatches")
+    op, provider, choice, problem, pargs, out, tr, config = rec.dispatches[0]
+    bases = _bases(args, kwargs)
+    g: dict[str, Any] = {"P": provider, "PB": problem, "CH": choice, "OP": op, "LAST": registry._LAST,
+                         "CONFIG": registry._CONFIG, "CFG": config}
+    parts, exprs = [], []
+    for n, v in pargs.items():
+        if isinstance(v, _Tensor):
+            e = _derive(v, bases, g)
+            if e is None:
+                return _why(name, f"run argument {n!r} is a tensor built inside the public function")
+        elif type(v) in _ATOMS:
+            g[f"C{len(g)}"] = v
+            e = f"C{len(g) - 1}"
+        else:
+            return _why(name, f"run argument {n!r} is a {type(v).__name__}")
+        parts.append(f"{n}={e}")
+        exprs.append(e)
+    outs = [("o", out)] if isinstance(out, _Tensor) else \
+        [(f"o[{i}]", x) for i, x in enumerate(out) if isinstance(x, _Tensor)] if isinstance(out, tuple) else []
+    o = _out_expr(result, outs, g)
+    if o is None:
+        return _why(name, f"the result ({type(result).__name__}) is not the provider's outputs re-packed")
+    call = f"P.run(PB, {', '.join(parts)})"
+    launch = tr.replay(out, functools.partial(_run, provider, problem)) if tr is not None else None
+    if launch is not None:
+        g["L"] = launch
+        call = f"L({', '.join(exprs)})"                  # (its parameters are run's, in order)
+    elif tr is not None:
+        WHY_NOT_REPLAYED[name] = tr.why
+    src_code = (f"def hit(a, kw):\n    OP.last = LAST[{op.name!r}] = CH\n    CONFIG[{op.name!r}] = CFG\n"
+                f"    o = {call}\n    return {o}\n")
+    exec(src_code, g)  # noqa: S102 - generated from the recorded call (names are the run's parameters)
+    hit = g["hit"]
+    hit.source = src_code
+    hit.provider, hit.op, hit.launch = provider, op.name, launch
+    return hit
+
+
+def _run(provider, problem, **args):
+    """The provider's ``run`` (a replay's fallback: another device or stream than the recorded one)."""
+    return provider.run(problem, **args)
+
+
+#: public function -> why its last unplanned signature was not planned (``dsv4 bench eager``, tests)
+WHY_NOT: dict[str, str] = {}
+#: public function -> why its last plan calls the provider's ``run`` instead of a replay of its trace
+WHY_NOT_REPLAYED: dict[str, str] = {}
+
+
+def _why(name: str, reason: str) -> None:
+    WHY_NOT[name] = reason
+
+
+# --------------------------------------------------------------------------------------------
+def planned(fn: Callable) -> Callable:
+    """Decorate a public op function with the plan cache (see the module docstring)."""
+    cache: OrderedDict = OrderedDict()
+    _CACHES.append(cache)
+    tls, getenv, k = registry._tls, registry._getenv, _k
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not ENABLED or not _plain():                  # (also inside another op's first call: it records)
+            return fn(*args, **kwargs)
+        try:
+            key = (tuple(map(k, args)), tuple(kwargs), tuple(map(k, kwargs.values())), tls.token,
+                   getenv("DSV4_OPS"))
+        except _Unkeyable:
+            return fn(*args, **kwargs)
+        hit = cache.get(key)
+        if hit is not None:
+            if hit is False:
+                return fn(*args, **kwargs)
+            if hit is _SEEN:                             # the second call of the signature: recorded
+                return _record(fn, name, cache, key, args, kwargs)
+            if len(cache) > _HALF:                       # LRU order kept once eviction is near (a tuple
+                cache.move_to_end(key)                   # hash is not cached: each costs one more hash)
+            _stats["hits"] += 1
+            return hit(args, kwargs)
+        _stats["misses"] += 1                            # the first: the full path (one-time set-up runs here,
+        with _lock:                                      # so the recorded second call is a steady-state one)
+            cache[key] = _SEEN
+            while len(cache) > MAX_PLANS:
+                cache.popitem(last=False)
+        return fn(*args, **kwargs)
+
+    call.__wrapped_plan_cache__ = cache
+    return call
+
+
+_SEEN = object()
+
+
+def _record(fn, name, cache, key, args, kwargs):
+    """The second call of a signature: the full call, recorded, then its plan (or a negative entry)
+    stored under ``key``."""
+    _stats["misses"] += 1
+    tls = registry._tls
+    rec = _Recorder()
+    tls.rec = rec
+    _watch_reads(True)
+    try:
+        with _trace.Watch(rec):
+            result = fn(*args, **kwargs)
+    finally:
+        tls.rec = None
+        _watch_reads(False)
+    plan = _make_plan(name, args, kwargs, rec, result)
+    _stats["planned" if plan is not None else "unplanned"] += 1
+    with _lock:
+        cache[key] = plan if plan is not None else False
+        while len(cache) > MAX_PLANS:
+            cache.popitem(last=False)
+    return result
+
+
+def clear() -> None:
+    """Forget every plan (called by :meth:`dsv4.registry.Op.clear_cache`)."""
+    with _lock:
+        for c in _CACHES:
+            c.clear()
+
+
+def stats() -> dict:
+    """Hit / miss counters and the number of plans held."""
+    return dict(_stats, entries=sum(len(c) for c in _CACHES))
+
+
+def plan_of(fn: Callable, *args, **kwargs) -> Callable | None | bool:
+    """The plan ``fn(*args, **kwargs)`` would use: the hit function (``.source`` shows it), ``False``
+    (never planned: full path), or ``None`` (not recorded yet). For tests and debugging."""
+    cache = getattr(fn, "__wrapped_plan_cache__", None)
+    if cache is None:
+        return None
+    try:
+        key = (*key_of(args, kwargs), registry._tls.token, registry._getenv("DSV4_OPS"))
+    except _Unkeyable:
+        return False
+    return cache.get(key)
