@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from dsv4.registry import Support
 
 from ._compile import DslProvider, compile_cached, compile_options, compile_variants, i32, i64, launch_on
+from .sm90.ptx import slot_magic
 
 try:
     import cuda.bindings.driver as cuda
@@ -57,6 +58,7 @@ try:
                                 e2m1x8_encode_rn)
     from .quantize_fp8 import _patch_nonfinite
     from .sm90.fp4 import e2m1x8_signs
+    from .sm90.ptx import mulhi_shift
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -157,16 +159,6 @@ if _HAVE_DSL:
     def _u32_asm(ptx, cons, args, loc, ip):
         return Uint32(llvm.inline_asm(T.i32(), [_v(a, Uint32, loc, ip) for a in args], ptx, cons, has_side_effects=False,
                                       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def _mulhi_shift(a, m, sh, *, loc=None, ip=None):
-        """``(a * m) >> sh`` (u32 x u32 -> u64 product, ``32 <= sh < 64``): ``a // bs`` for ``a < 2^31`` with the
-        host's magic pair (``m = ceil(2^sh / bs)``, ``sh = 31 + ceil(log2 bs)``)."""
-        return Uint32(llvm.inline_asm(
-            T.i32(), [_v(a, Uint32, loc, ip), _v(m, Uint32, loc, ip), _v(sh, Int32, loc, ip)],
-            "{\n.reg .b64 p;\nmul.wide.u32 p, $1, $2;\nshr.b64 p, p, $3;\ncvt.u32.u64 $0, p;\n}",
-            "=r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
-            ip=ip))
 
     @dsl_user_op
     def _ld_v4_if(addr, pol, pred, l1: bool, *, loc=None, ip=None):
@@ -292,7 +284,7 @@ if _HAVE_DSL:
             if cutlass.const_expr(cfg.cache):
                 ok = ok & (slot >= Int64(0)) & (slot < num_slots)
                 s32 = Uint32(cutlass.select_(ok, slot, Int64(0)))
-                blk = _mulhi_shift(s32, Uint32(dm), dsh)          # slot // bs (slot < 2^31)
+                blk = mulhi_shift(s32, Uint32(dm), dsh)          # slot // bs (slot < 2^31)
                 j = s32 - blk * Uint32(bs)
                 base = out + Int64(blk) * (Int64(bs) * (VB + SB))
                 vdst = base + Int64(j) * VB
@@ -435,13 +427,6 @@ def compile_indexer_quant(cfg: IndexerQuantConfig, arch: str = "sm_90a", extra: 
     z, i = Int64(0), Int32(0)
     return cute.compile(IndexerQuantKernel(cfg), z, z, z, z, z, z, z, z, i, z, z, i, i, make_fake_stream(),
                         options=compile_options(arch, extra))
-
-
-def slot_magic(bs: int) -> tuple[int, int]:
-    """``(m, sh)`` with ``slot // bs == (slot * m) >> sh`` for every ``0 <= slot < 2^31`` (``sh = 31 + ceil(log2
-    bs)``, ``m = ceil(2^sh / bs) < 2^32``): the kernels' page division, computed once on the host."""
-    sh = 31 + (int(bs) - 1).bit_length()
-    return -(-(1 << sh) // int(bs)), sh
 
 
 def _fn(cfg, dev):

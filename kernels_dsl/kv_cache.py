@@ -14,7 +14,7 @@ Both kernels are bit-exact against ``dsv4/reference/kv_cache.py``.
     with Inf / NaN takes a warp-uniform branch to the finite-only max), UE8M0 scale
     ``2^ceil(log2(max(amax, 1e-4) * fp32(1/448)))`` (exponent-field arithmetic), ``x * 2^-k`` (exact:
     equal to the reference's ``x / s``), ``cvt.rn.satfinite.e4m3x2.f32`` (= clamp to +-448 then RNE);
-    the page division is the host's magic multiply (:func:`kernels_dsl.indexer_quant.slot_magic`,
+    the page division is the host's magic multiply (:func:`kernels_dsl.sm90.ptx.slot_magic`,
     ``slot < 2^31``); lanes 0..27 store 16 E4M3 bytes each (448 contiguous bytes per warp instruction),
     lanes 28..31 the rope dims (2 x 16 B); the 7 scale bytes + pad are gathered by shuffles and lane 0
     stores them as one 8-byte word. ``bf16`` caches get ``e4m3 * s`` (exact) in 2 x 16 B per lane.
@@ -45,6 +45,7 @@ from typing import Optional
 from dsv4.registry import Support
 
 from ._compile import DslProvider, compile_cached, compile_options, compile_variants, i32, i64, launch_on
+from .sm90.ptx import slot_magic
 
 try:  # the DSL is optional at import time: the provider then reports "unavailable"
     import cuda.bindings.driver as cuda
@@ -58,6 +59,7 @@ try:  # the DSL is optional at import time: the provider then reports "unavailab
     from ._quantize_ptx import chunk_absmax, finite_chunk_absmax, shfl_bfly_max, vote_any
     from .dequant_fp4 import l2_prefetch_kw
     from .sm90 import fp4
+    from .sm90.ptx import mulhi_shift
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -167,17 +169,6 @@ if _HAVE_DSL:
                         "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", has_side_effects=True, is_align_stack=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
-    @dsl_user_op
-    def _mulhi_shift(a, m, sh, *, loc=None, ip=None):
-        """``(a * m) >> sh`` (u32 x u32 -> u64, ``32 <= sh < 64``): ``a // bs`` for ``a < 2^31`` with the host's
-        magic pair (:func:`kernels_dsl.indexer_quant.slot_magic`)."""
-        return Uint32(llvm.inline_asm(
-            T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(m).ir_value(loc=loc, ip=ip),
-                      Int32(sh).ir_value(loc=loc, ip=ip)],
-            "{\n.reg .b64 p;\nmul.wide.u32 p, $1, $2;\nshr.b64 p, p, $3;\ncvt.u32.u64 $0, p;\n}",
-            "=r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
-            ip=ip))
-
     class KvAppendKernel:
         """``__call__(kv, slots, cache, n, n_slots, bs, dm, dsh, n_ctas, stream)`` (``Int64`` addresses): one warp
         per token, the 16 values of a lane as two 16-byte words; block-64 amax on the packed bf16 bits
@@ -233,7 +224,7 @@ if _HAVE_DSL:
                  | (fp4.cvt_e4m3x2_f32(f[4 * i + 2] * inv, f[4 * i + 3] * inv) << 16) for i in range(4)]
             if (t < n) & (slot >= Int64(0)) & (slot < n_slots):          # warp-uniform
                 s32 = Uint32(slot)
-                page = _mulhi_shift(s32, Uint32(dm), dsh)
+                page = mulhi_shift(s32, Uint32(dm), dsh)
                 off = s32 - page * Uint32(bs)
                 if cutlass.const_expr(self.fmt == "fp8_ds_mla"):
                     base = cache + Int64(page) * (Int64(bs) * TOKEN_B)
@@ -551,7 +542,6 @@ class DslKvCacheAppend(DslProvider):
 
         from dsv4.target import Target
 
-        from .indexer_quant import slot_magic
         n = kv.shape[0]
         if n == 0:
             return

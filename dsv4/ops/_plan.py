@@ -90,9 +90,9 @@ def _k(v: Any) -> Any:
     raise _Unkeyable(tp.__name__)
 
 
-def key_of(args: tuple, kwargs: dict) -> tuple:
-    """The signature key of a call's arguments (see the module docstring)."""
-    return (tuple(map(_k, args)), tuple(kwargs), tuple(map(_k, kwargs.values())))
+def _key(args: tuple, kwargs: dict, k=_k, tls=registry._tls, getenv=registry._getenv) -> tuple:
+    """The signature key of a call (see the module docstring): its arguments and the registry state."""
+    return (tuple(map(k, args)), tuple(kwargs), tuple(map(k, kwargs.values())), tls.token, getenv("DSV4_OPS"))
 
 
 def _plain_eager() -> Callable[[], bool]:
@@ -363,7 +363,6 @@ def planned(fn: Callable) -> Callable:
     """Decorate a public op function with the plan cache (see the module docstring)."""
     cache: OrderedDict = OrderedDict()
     _CACHES.append(cache)
-    tls, getenv, k = registry._tls, registry._getenv, _k
     name = fn.__name__
 
     @functools.wraps(fn)
@@ -371,8 +370,7 @@ def planned(fn: Callable) -> Callable:
         if not ENABLED or not _plain():                  # (also inside another op's first call: it records)
             return fn(*args, **kwargs)
         try:
-            key = (tuple(map(k, args)), tuple(kwargs), tuple(map(k, kwargs.values())), tls.token,
-                   getenv("DSV4_OPS"))
+            key = _key(args, kwargs)
         except _Unkeyable:
             return fn(*args, **kwargs)
         hit = cache.get(key)
@@ -441,7 +439,7 @@ def plan_of(fn: Callable, *args, **kwargs) -> Callable | None | bool:
     if cache is None:
         return None
     try:
-        key = (*key_of(args, kwargs), registry._tls.token, registry._getenv("DSV4_OPS"))
+        key = _key(args, kwargs)
     except _Unkeyable:
         return False
     return cache.get(key)

@@ -1,6 +1,8 @@
 """Small inline-PTX device functions shared by the sm_90a DSL kernels: explicit shared-memory
 vector loads / stores (the decoded-operand writes target computed 128B-swizzled addresses),
-read-only global loads of scale bytes, global stores of epilogue pairs, and two converts.
+read-only global loads of scale bytes, global stores of epilogue pairs, two converts, and the
+magic-multiply division by a runtime divisor (:func:`slot_magic` on the host, :func:`mulhi_shift` on the
+device: the paged kernels' ``slot // block_size``).
 
 Every memory function is emitted with side effects so that LLVM never merges or moves it across
 the kernel's barriers (a pure inline asm would be CSE'd across pipeline iterations).
@@ -20,7 +22,14 @@ except Exception:  # noqa: BLE001
 
 __all__ = ["ld_shared_v4", "ld_shared_v2", "ld_shared_b32", "st_shared_v4", "st_shared_b32", "ld_global_nc_b32",
            "ld_global_nc_u8", "ld_global_nc_u16", "ld_global_nc_f32", "st_global_b16", "st_global_b32",
-           "st_global_b64", "e4m3_byte_to_f32", "st_global_f32"]
+           "st_global_b64", "e4m3_byte_to_f32", "st_global_f32", "mulhi_shift", "slot_magic"]
+
+
+def slot_magic(bs: int) -> tuple[int, int]:
+    """``(m, sh)`` with ``slot // bs == (slot * m) >> sh`` for every ``0 <= slot < 2^31`` (``sh = 31 + ceil(log2
+    bs)``, ``m = ceil(2^sh / bs) < 2^32``): the kernels' page division, computed once on the host."""
+    sh = 31 + (int(bs) - 1).bit_length()
+    return -(-(1 << sh) // int(bs)), sh
 
 if _HAVE_DSL:
 
@@ -113,3 +122,11 @@ if _HAVE_DSL:
         return Float32(_asm(T.f32(), "{\n.reg .b16 t, lo, hi;\n.reg .b32 p;\ncvt.u16.u32 t, $1;\n"
                                      "cvt.rn.f16x2.e4m3x2 p, t;\nmov.b32 {lo, hi}, p;\ncvt.f32.f16 $0, lo;\n}",
                             "=f,r", [_v(b, Uint32, loc, ip)], side=False, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def mulhi_shift(a, m, sh, *, loc=None, ip=None):
+        """``(a * m) >> sh`` (u32 x u32 -> u64 product, ``32 <= sh < 64``): ``a // bs`` for ``a < 2^31`` with the
+        host's magic pair ``(m, sh) = slot_magic(bs)``."""
+        return Uint32(_asm(T.i32(), "{\n.reg .b64 p;\nmul.wide.u32 p, $1, $2;\nshr.b64 p, p, $3;\ncvt.u32.u64 $0, p;\n}",
+                           "=r,r,r,r", [_v(a, Uint32, loc, ip), _v(m, Uint32, loc, ip), _v(sh, Int32, loc, ip)],
+                           side=False, loc=loc, ip=ip))
