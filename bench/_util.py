@@ -9,7 +9,6 @@ copy bandwidth (bytes read + written) in the same process and use it as the ceil
 """
 from __future__ import annotations
 
-
 import datetime
 import json
 import os
@@ -22,7 +21,7 @@ import torch
 from dsv4.measure import BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, json_safe, time_us  # noqa: F401  (re-exported)
 from dsv4.measure import copy_bandwidth as _copy_bandwidth
 
-__all__ = ["time_cuda", "time_graph", "time_flush_l2", "copy_bandwidth", "env_info", "print_table", "save_json",
+__all__ = ["time_cuda", "time_graph", "CallGraph", "event_us", "time_flush_l2", "copy_bandwidth", "env_info", "print_table", "save_json",
            "json_safe", "FP8_PEAK_TFLOPS", "BF16_PEAK_TFLOPS", "rotating"]
 
 
@@ -37,34 +36,54 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 50, graph:
     return time_us(fn, "cuda", iters, warmup=warmup, graph=graph, fallback=False)[0]
 
 
+class CallGraph:
+    """A CUDA graph of ``n`` back-to-back calls ``fns[i % len(fns)]()``, built after one eager warm-up call of each
+    ``fns[:warm]`` and one call on a side stream (module loads, compiles, allocator pools stay off the capture);
+    ``ctx`` (a context-manager factory, e.g. a tvm-ffi stream context) is entered around the calls.
+    :meth:`time` = median microseconds per call over ``reps`` replays (rotate ``fns`` over input copies larger
+    than L2 for memory-bound kernels)."""
+
+    def __init__(self, fns: Sequence[Callable[[], Any]], n: int, ctx: Callable[[], Any] | None = None,
+                 warm: int | None = None):
+        import contextlib
+        ctx = ctx or contextlib.nullcontext
+        with ctx():
+            for f in fns[:warm]:
+                f()
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), ctx():
+            fns[0]()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.g, self.n = torch.cuda.CUDAGraph(), n
+        with torch.cuda.graph(self.g), ctx():
+            for i in range(n):
+                fns[i % len(fns)]()
+        self.g.replay()
+        torch.cuda.synchronize()
+
+    def time(self, reps: int) -> float:
+        ts = [event_us(self.g.replay) / self.n for _ in range(reps)]
+        return statistics.median(ts)
+
+
+def event_us(fn: Callable[[], Any]) -> float:
+    """Microseconds of one call ``fn()`` between two CUDA events on the current stream (host time between
+    them included: for one eager call, that is what a caller waits)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
 def time_graph(fns: Sequence[Callable[[], Any]], iters: int = 40, reps: int = 15) -> float:
     """Median microseconds per call of ``fns[i % len(fns)]`` replayed inside one CUDA graph of
-    ``iters`` calls (rotate ``fns`` over input copies larger than L2 for memory-bound kernels)."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):                 # warm-up (module loads, compiles) off the capture
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(ts)
+    ``iters`` calls (:class:`CallGraph`)."""
+    return CallGraph(fns, iters).time(reps)
 
 
 def time_flush_l2(fn: Callable[[], Any], *, warmup: int = 3, rep: int = 20) -> float:

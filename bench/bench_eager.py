@@ -8,7 +8,8 @@ Method: the inputs are each op module's graph cases (``graph_cases(device)`` in
 ``dsv4/ops/<module>.py``: decode-sized static tensors; ``dequant_fp4``'s are built here). One run
 of a case records every top-level public op call it makes (arguments included); each recorded
 call is then replayed on its own: warm-up (compiles, caches), then per call ``synchronize`` (not
-timed), ``perf_counter``, the call, ``perf_counter``; the median is reported (``host_us``). On CUDA
+timed), ``perf_counter``, the call, ``perf_counter``; ``host_us`` is the median of such calls (the
+minimum over ``--rounds`` separate rounds of it: a burst of host noise does not set it). On CUDA
 the call returns once its kernels are queued, so that is host time, launch glue included. On CPU
 the torch reference does its math inside the call, so the table also times each call with null
 providers (each provider's ``run`` returns the output recorded from a real run instead of running,
@@ -20,9 +21,11 @@ the provider's recorded host trace (dsv4/ops/_plan.py, dsv4/ops/_trace.py).
 
     PYTHONPATH=. python bench/bench_eager.py [--json out.json] [--ops topk,kv_gather] [--budget 0.2]
         [--lib-only] [--deadline S] [--first topk,quantize] [--dsl-call tvm-ffi|dsl]
-        [--breakdown] [--cprofile N] [--variants old,direct,plan,replay]   (or: dsv4 bench eager ...)
+        [--breakdown] [--cprofile N] [--lines] [--rounds 3] [--variants old,direct,plan,replay]
+        (or: dsv4 bench eager ...)
 
-``--breakdown`` adds the per-stage columns of :class:`Stages`; ``--variants`` times each call again
+``--lines`` prints each planned call's host time by stage (plain-eager test, key, hit) and by line of its
+replayed trace (:func:`line_profile`); ``--breakdown`` adds the per-stage columns of :class:`Stages`; ``--variants`` times each call again
 under each named setting of the library's eager switches (:data:`VARIANTS`: ``old`` = every call through
 the ``torch.library`` dispatcher, ``direct`` = the eager direct call with every check per call, ``plan`` = the
 per-signature plan cache (dsv4/ops/_plan.py), ``replay`` = plans that replay the provider's recorded trace)
@@ -37,8 +40,8 @@ import pkgutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -131,7 +134,7 @@ def record(case) -> list[Call]:
 
     def dispatch(self, problem, target, **args):
         if calls:
-            p, ch = self.select(problem, target)
+            _p, ch = self.select(problem, target)
             calls[-1].ops.append(f"{self.name}:{ch.kind}")
         return orig_dispatch(self, problem, target, **args)
     registry.Op.dispatch = dispatch
@@ -343,6 +346,65 @@ def cprofile_call(c: Call, cuda: bool, top: int, iters: int = 300) -> str:
     return "\n".join(lines)
 
 
+def line_profile(c: Call, cuda: bool, iters: int = 200) -> str:
+    """Per-line host time of ``c``'s planned call (``--lines``): the plan-cache wrapper's stages (plain-eager
+    test, key, lookup), then each line of its replayed trace (dsv4/ops/_trace.py), medians in us."""
+    from dsv4.ops import _plan
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        c.fn(*c.args, **c.kwargs)
+    hit = _plan.plan_of(c.fn, *c.args, **c.kwargs)
+    if not callable(hit):
+        return f"LINES {c.name} [{c.label}]: no plan ({hit!r}: {_plan.WHY_NOT.get(c.name, '')})"
+    clock = time.perf_counter_ns
+
+    def med(f, n=iters):
+        ts = []
+        for _ in range(n):
+            sync()
+            t0 = clock()
+            f()
+            ts.append(clock() - t0)
+        return statistics.median(ts) / 1e3
+    a, kw = c.args, c.kwargs
+    rows = [("plain", med(_plan._plain)), ("key", med(lambda: _plan.key_of(c.fn, *a, **kw))),
+            ("hit", med(lambda: hit(a, kw))), ("call", med(lambda: c.fn(*a, **kw)))]
+    out = [f"LINES {c.name} [{c.label}] " + "  ".join(f"{k} {v:.2f}" for k, v in rows)]
+    L = hit.launch
+    if L is None:
+        return out[0] + f"  (run: {_plan.WHY_NOT_REPLAYED.get(c.name, '')})"
+    units: list[list[str]] = []                  # top-level statements with their indented blocks / else:
+    for s in L.source.split("\n")[1:]:
+        if not s.strip():
+            continue
+        if s.startswith(("     ", "    else:", "    elif ")):
+            units[-1].append(s)
+        else:
+            units.append([s])
+    units = [u for u in units if not u[0].startswith(("    if C._cuda_getDevice()", "    if S != STREAM"))]
+    stmts = [" / ".join(x.strip() for x in u) for u in units]
+    src = "def probe(" + L.source.split("(", 1)[1].split(")", 1)[0] + "):\n    _T = [_PC()]\n"
+    for u in units:
+        if u[0].startswith("    return "):
+            src += f"    _R = {u[0][11:]}\n    _T.append(_PC())\n    return _T\n"
+        else:
+            src += "".join(x + "\n" for x in u) + "    _T.append(_PC())\n"
+    g = dict(L.__globals__)
+    g["_PC"] = clock
+    exec(src, g)  # noqa: S102 - the replay's own lines, timed
+    probe = g["probe"]
+    args = hit.args_of(a, kw)
+    per = [[] for _ in stmts]
+    for _ in range(iters):
+        sync()
+        T = probe(*args)
+        for j in range(len(stmts)):
+            per[j].append(T[j + 1] - T[j])
+    for s, ts in zip(stmts, per):
+        out.append(f"  {statistics.median(ts) / 1e3:6.2f}  {s[:150]}")
+    return "\n".join(out)
+
+
 #: ``--variants`` settings: name -> {flag: value}; flags are set by :func:`apply_flags`
 VARIANTS = {
     "old": {"eager_direct": False, "plans": False},   # every op call through the torch.library dispatcher
@@ -400,21 +462,33 @@ def time_lib(c: Call, iters: int = 200) -> list[float]:
     return lib
 
 
+def time_rounds(c: Call, cuda: bool, budget_s: float, max_iters: int, rounds: int) -> tuple[float, list[float]]:
+    """``(min over rounds of the round's median, all samples)``: ``rounds`` separate timings of ``budget_s /
+    rounds`` each, so that a burst of host noise (another process, a GC) longer than one round does not set
+    the result (the minimum of medians, as pyperf-style benchmarks report)."""
+    meds, every = [], []
+    for _ in range(max(1, rounds)):
+        h = time_host(c, cuda, budget_s / max(1, rounds), max_iters)
+        meds.append(statistics.median(h))
+        every += h
+    return min(meds), every
+
+
 def time_call(c: Call, cuda: bool, budget_s: float, max_iters: int = 400, lib_only: bool = False,
-              variants: tuple[str, ...] = ()) -> dict:
-    host = [] if lib_only else time_host(c, cuda, budget_s, max_iters)
+              variants: tuple[str, ...] = (), rounds: int = 3) -> dict:
+    med, host = (float("nan"), []) if lib_only else time_rounds(c, cuda, budget_s, max_iters, rounds)
     row = {"case": c.label, "op": c.name, "providers": ",".join(dict.fromkeys(c.ops)) or "-"}
     for v in variants:                                   # same call, the library's switches set per variant
         prev = apply_flags(VARIANTS[v])
         try:
             if not lib_only:
-                row[f"{v}_us"] = statistics.median(time_host(c, cuda, budget_s, max_iters)) * 1e6
+                row[f"{v}_us"] = time_rounds(c, cuda, budget_s, max_iters, rounds)[0] * 1e6
             row[f"{v}_lib_us"] = statistics.median(time_lib(c)) * 1e6
         finally:
             apply_flags(prev)
     lib = time_lib(c)
     host = host or [float("nan")]
-    row.update({"host_us": statistics.median(host) * 1e6, "p10_us": sorted(host)[len(host) // 10] * 1e6,
+    row.update({"host_us": med * 1e6, "p10_us": sorted(host)[len(host) // 10] * 1e6,
                 "iters": len(lib), "lib_us": statistics.median(lib) * 1e6})
     row["target_met"] = (row["host_us"] if cuda else row["lib_us"]) <= TARGET_US
     return row
@@ -425,6 +499,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--ops", default="", help="comma list of public op names (default: all)")
     ap.add_argument("--budget", type=float, default=0.2, help="seconds of timing per call")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="host_us = the minimum over this many timing rounds of each round's median")
     ap.add_argument("--json", default="", help="write the rows here")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds: start no new case after this (0 = none; first compiles can be slow)")
@@ -436,6 +512,8 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="per-stage time of each call (checks, validate, boundary, select, glue, alloc, launch)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N functions (cProfile) of each call")
+    ap.add_argument("--lines", action="store_true",
+                    help="per-line host time of each planned call (key, lookup, each replayed trace line)")
     ap.add_argument("--variants", default="", help=f"comma list of switch settings timed per call: {sorted(VARIANTS)}")
     a = ap.parse_args(argv)
     variants = tuple(v for v in a.variants.split(",") if v)
@@ -469,7 +547,7 @@ def main(argv=None) -> int:
             if (want and c.name not in want) or (c.name, c.label) in seen:
                 continue
             seen.add((c.name, c.label))
-            rows.append(time_call(c, cuda, a.budget, lib_only=a.lib_only, variants=variants))
+            rows.append(time_call(c, cuda, a.budget, lib_only=a.lib_only, variants=variants, rounds=a.rounds))
             r = rows[-1]
             if a.breakdown:
                 r.update(breakdown(c, cuda))
@@ -479,6 +557,11 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             if a.cprofile:
                 print(cprofile_call(c, cuda, a.cprofile), flush=True)
+            if a.lines:
+                try:
+                    print(line_profile(c, cuda), flush=True)
+                except Exception as e:  # noqa: BLE001 - a diagnostic: reported, never fatal
+                    print(f"LINES {c.name} [{c.label}] failed: {type(e).__name__}: {e}", flush=True)
     cols = ["op", "case", "providers", "host_us", "p10_us", "lib_us", "target_met"] + \
         [f"{v}_{k}us" for v in variants for k in ("", "lib_")]
     if a.breakdown:

@@ -102,6 +102,30 @@ DSV4_DEVICE void e2m1x8_to_bf16x8(u32 w, u32 out[4]) {
   out[3] |= ((s >> 12) & 0x00008000u) | (s & 0x80000000u);
 }
 
+// a * b (bf16x2, RN): exact whenever the product is representable (E2M1 levels times
+// power-of-two or E4M3 scales always are)
+DSV4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+// 8 E2M1 (element i in nibble i of w) -> out[j] = bf16x2 {element j, element j + 4} * f2 (the
+// words of the 8 elements in the order [0, 4, 1, 5, 2, 6, 3, 7]). A nibble n placed as the bf16 bit
+// pattern (n & 8) << 12 | (n & 7) << 6 (sign, then the 3 magnitude bits as exponent field bits 8:7
+// + mantissa bit 6) is the bf16 value E2M1(n) * 2^-126 exactly (code 1 is the subnormal 2^-127,
+// codes 2..7 normals 2^(E-127)(1 + m/2)); elements j and j + 4 need the same shift (one multiply
+// by 2^6 + 2^12 or 2^2 + 2^8 places both halves). One bf16x2 multiply by f2 (f2 = {2^126, 2^126}:
+// the plain levels; or the scale folded in) restores E2M1(n) * f * 2^-126; never arithmetic on
+// the level index.
+DSV4_DEVICE void e2m1x8_bf16_pairs(u32 w, u32 f2, u32 out[4]) {
+  const u32 M = 0x81C081C0u;
+  const u32 w8 = w >> 8;
+  out[0] = bf16x2_mul(((w & 0x000F000Fu) * 4160u) & M, f2);   // 2^6 + 2^12
+  out[1] = bf16x2_mul(((w & 0x00F000F0u) * 260u) & M, f2);    // 2^2 + 2^8
+  out[2] = bf16x2_mul(((w8 & 0x000F000Fu) * 4160u) & M, f2);
+  out[3] = bf16x2_mul(((w8 & 0x00F000F0u) * 260u) & M, f2);
+}
+
 // ---------------------------------------------------------------------------------------
 // scale decodes
 // UE8M0 byte -> float 2^(b-127) (b = 0 -> 2^-127, a subnormal; 0xFF -> NaN)
@@ -282,6 +306,17 @@ template <int N> DSV4_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.
 // keeps the compiler from moving an accumulator's reads / writes across the asynchronous WGMMA
 // issue / wait (CUTLASS warpgroup_fence_operand)
 DSV4_DEVICE void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address, leading /
+// stride dimension byte offsets lbo / sbo (16-byte units, 14 bits each), base offset 0, swizzle
+// mode in bits 62-63 (0 none, 1 128B, 2 64B, 3 32B; a swizzled tile's atoms 1024-B aligned)
+DSV4_DEVICE u64 wgmma_desc(u32 saddr, u32 lbo, u32 sbo, u32 swizzle = 0) {
+  u64 d = 0;
+  d |= (u64)((saddr & 0x3FFFFu) >> 4);
+  d |= (u64)((lbo >> 4) & 0x3FFFu) << 16;
+  d |= (u64)((sbo >> 4) & 0x3FFFu) << 32;
+  d |= (u64)(swizzle & 3u) << 62;
+  return d;
+}
 #include "common_wgmma.cuh"
 
 // ---------------------------------------------------------------------------------------

@@ -60,53 +60,26 @@
 #define NEG_INF __int_as_float(0xff800000)
 
 // ---------------------------------------------------------------------------------------
-// small PTX helpers (the generic ones: smem_u32, cp.async, ld/st.shared, WGMMA, fwht128, E2M1 /
-// UE8M0 encode live in common.cuh)
-// a * b (bf16x2), exact whenever the product is representable (used with power-of-two and
-// E4M3 scales: E2M1 x UE8M0 and E2M1 x E4M3 products always are).
-DSV4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
-  u32 r;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
-  return r;
-}
-// Fast exact E2M1 -> BF16 for the WGMMA operands. A nibble n placed as the
-// bf16 bit pattern (n & 8) << 12 | (n & 7) << 6 (sign, then the 3 magnitude bits as exponent
-// field bits 8:7 + mantissa bit 6) is the bf16 value E2M1(n) * 2^-126 exactly (code 1 is the
-// bf16 subnormal 2^-127 = 0.5 * 2^-126; codes 2..7 are normals 2^(E-127)(1 + m/2)); one exact
-// bf16x2 multiply by 2^126 restores E2M1(n). Nibbles are paired (j, j+4) so that both members
-// of a pair need the same shift: out[j] = {bf16(e_j), bf16(e_{j+4})}, i.e. the 8 dims of a word
-// are stored in the order [0, 4, 1, 5, 2, 6, 3, 7]. q and K use the same order (a permutation
-// of the reduction dim leaves q . K unchanged). Verified bit-exact for all 256 bytes
-// (tests/test_indexer.py::test_gpu_e2m1_decode_exhaustive); never arithmetic on the level index.
-DSV4_DEVICE void e2m1x8_to_bf16x8_perm(u32 w, u32 o[4]) {
-  const u32 two126 = 0x7E807E80u;  // bf16x2 {2^126, 2^126}
-  o[0] = ((w << 6) & 0x01C001C0u) | ((w << 12) & 0x80008000u);
-  o[1] = ((w << 2) & 0x01C001C0u) | ((w << 8) & 0x80008000u);
-  o[2] = ((w >> 2) & 0x01C001C0u) | ((w << 4) & 0x80008000u);
-  o[3] = ((w >> 6) & 0x01C001C0u) | (w & 0x80008000u);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) o[k] = bf16x2_mul(o[k], two126);
-}
+// small PTX helpers (the generic ones: smem_u32, cp.async, ld/st.shared, WGMMA + descriptors,
+// fwht128, the E2M1 -> BF16 decode e2m1x8_bf16_pairs, E2M1 / UE8M0 encode live in common.cuh)
 
 // SW128 K-major tile: `rows` rows x 128 dims bf16 = two regions (dims 0..63, 64..127) of
 // rows x 128 B; 16-byte chunk c of row r lives at chunk c ^ (r % 8) (1024-B aligned base).
 DSV4_DEVICE u32 sw128_addr(u32 base, int rows, int r, int half, int c) {
   return base + (u32)(half * rows * 128 + r * 128 + ((c ^ (r & 7)) << 4));
 }
-// WGMMA smem matrix descriptor: K-major, 128-byte swizzle, SBO = 1024 B (8 rows x 128 B),
-// LBO unused for swizzled K-major (set to 1), base offset 0 (1024-B aligned atoms).
-DSV4_DEVICE u64 make_desc_sw128(u32 addr) {
-  return (u64)((addr >> 4) & 0x3FFFu) | ((u64)1u << 16) | ((u64)(1024u >> 4) << 32) | ((u64)1u << 62);
-}
 
 #if IDX_FMT == 1
 // Decode one half row (64 dims) held in vw[] (8 words of E2M1) with its 4 E4M3 block scales `sc`
-// into the SW128 tile (E2M1 x E4M3 is exact in BF16).
+// into the SW128 tile (E2M1 x E4M3 is exact in BF16). The 8 dims of a word land in the order
+// [0, 4, 1, 5, 2, 6, 3, 7] (e2m1x8_bf16_pairs); q uses the same order (a permutation of the
+// reduction dim leaves q . K unchanged). Bit-exact for all 256 bytes
+// (tests/test_indexer.py::test_gpu_e2m1_decode_exhaustive).
 DSV4_DEVICE void decode_half(const u32* vw, const u8* sc, u32 tile, int rows, int r, int half) {
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     u32 o[4];
-    e2m1x8_to_bf16x8_perm(vw[c], o);
+    e2m1x8_bf16_pairs(vw[c], 0x7E807E80u, o);      // bf16x2 {2^126, 2^126}: the plain levels
     const float sf = e4m3_to_f32(sc[c >> 1]);
     const u32 sb = pack_bf16x2(sf, sf) & 0xFFFFu;
     const u32 s2 = sb | (sb << 16);
@@ -171,8 +144,9 @@ DSV4_DEVICE void mma_tile(float* acc, u32 ktile, u32 qtile) {
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const int half = kk >> 2;
-    const u64 da = make_desc_sw128(ktile + half * IDX_TILE * 128 + (kk & 3) * 32);
-    const u64 db = make_desc_sw128(qtile + half * IDX_N * 128 + (kk & 3) * 32);
+    // K-major, 128-byte swizzle: SBO = 1024 B (8 rows x 128 B), LBO unused when swizzled (16 B)
+    const u64 da = wgmma_desc(ktile + half * IDX_TILE * 128 + (kk & 3) * 32, 16, 1024, 1);
+    const u64 db = wgmma_desc(qtile + half * IDX_N * 128 + (kk & 3) * 32, 16, 1024, 1);
 #if IDX_NQ == 1
     wgmma_m64n64k16_bf16(acc, da, db, kk > 0);
 #elif IDX_NQ == 2

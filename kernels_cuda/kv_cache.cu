@@ -216,6 +216,16 @@ DSV4_DEVICE u8* kvc_entry_sf(u8* cache, i32 bs, const i32* bt, i32 bt_cols, int 
   return cache + (i64)page * bs * KVC_IDX_TOKEN_B + (i64)bs * KVC_IDX_VB + (i64)(b - pi * bs) * KVC_IDX_SB;
 #endif
 }
+// both: the data row (returned; nullptr = not addressable, skipped) and, quantized formats, the
+// scale bytes (sfd; nullptr otherwise) of compressed entry b of sequence seq
+DSV4_DEVICE u8* kvc_entry_addrs(u8* cache, i32 bs, i64 nb, const i32* bt, i32 bt_cols, int seq, int b, u8*& sfd) {
+  u8* dst = kvc_entry_dst(cache, bs, nb, bt, bt_cols, seq, b);
+  sfd = nullptr;
+#if KVC_FMT == 0
+  if (dst) sfd = kvc_entry_sf(cache, bs, bt, bt_cols, seq, b);
+#endif
+  return dst;
+}
 
 // pool the rows of one entry: row group g handles rows [g*RPG, (g+1)*RPG) in order.
 // fetch(j, kv4, sc4) returns row j's kv and (score + ape) for this thread's 4 channels.
@@ -478,11 +488,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) kv_compress_prefill_ker
   KvcPool p;
   kvc_pool(fetch, g, p);
   kvc_merge_groups(p, g, t, sm);
-  u8* dst = kvc_entry_dst(cache, bs, nb, bt, bt_cols, seq, b);
-  u8* sfd = nullptr;
-#if KVC_FMT == 0
-  if (dst) sfd = kvc_entry_sf(cache, bs, bt, bt_cols, seq, b);
-#endif
+  u8* sfd;
+  u8* dst = kvc_entry_addrs(cache, bs, nb, bt, bt_cols, seq, b, sfd);
   kvc_finish(p, g == 0, t, sm + (RS > 1 ? 3 * RS * D : 0), norm_w, cos_sin, n_pos, b, eps, dst, sfd);
 }
 
@@ -530,10 +537,7 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS) kv_compress_decode_kern
   }
 #endif
   const int b = (int)min(pos / R, (i64)0x7FFFFFFF);  // a huge position: entry past every block table, not written
-  u8* dst = kvc_entry_dst(cache, bs, nb, bt, bt_cols, s, b);
-  u8* sfd = nullptr;
-#if KVC_FMT == 0
-  if (dst) sfd = kvc_entry_sf(cache, bs, bt, bt_cols, s, b);
-#endif
+  u8* sfd;
+  u8* dst = kvc_entry_addrs(cache, bs, nb, bt, bt_cols, s, b, sfd);
   kvc_finish(p, g == 0, t, sm + (RS > 1 ? 3 * RS * D : 0), norm_w, cos_sin, n_pos, b, eps, dst, sfd);
 }

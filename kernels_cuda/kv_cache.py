@@ -1,8 +1,8 @@
 """CUDA (NVRTC) providers for the DSV4 KV cache ops: ``kv_cache.cu`` (+ ``kv_cache.cuh``).
 
 ``kv_cache_append`` has no CUDA provider: the CuTe DSL kernel (``kernels_dsl/kv_cache.py``, 64-bit
-addresses) beat the deleted ``kv_append_kernel`` at every size, caches over 8 GiB included (H200
-2026-12-02, job kv9-01: prefill 32k random slots 15.4 vs 21.3 us, decode B=128 1.77 vs 2.60 us).
+addresses) beat the deleted ``kv_append_kernel`` at every size, caches over 8 GiB included
+(docs/benchmarks.md, "kv_cache_append and the indexer quantizers").
 ``kv_gather``: the DSL provider comes first and was measured faster (docs/benchmarks.md); this
 kernel remains the path for caches / outputs over 2^31 32-bit words (8 GiB), which the DSL gather
 kernel's int32 flat extents do not cover (to delete once it takes 64-bit extents).

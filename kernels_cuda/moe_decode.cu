@@ -376,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, MD_MINB) moe_decode_kernel(
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const int q = s >> 1, j0 = 2 * (s & 1);
-          const u64 db = md_desc(sl + W_BYTES + s * (MD_NT * 32), 128, 256);
+          const u64 db = wgmma_desc(sl + W_BYTES + s * (MD_NT * 32), 128, 256);
           const u32 fr[4] = {a[0][4 * q + j0], a[1][4 * q + j0], a[0][4 * q + j0 + 1], a[1][4 * q + j0 + 1]};
 #if MD_NT == 8
           wgmma_m64n8k16_rs(T == 0 ? acc0 : acc1, fr, db);

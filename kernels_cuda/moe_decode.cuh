@@ -31,14 +31,7 @@
 #endif
 
 // ------------------------------------------------------------------------------------------
-// WGMMA (A from registers, B descriptor)
-DSV4_DEVICE u64 md_desc(u32 saddr, u32 lbo, u32 sbo) {
-  u64 d = 0;
-  d |= (u64)((saddr & 0x3FFFFu) >> 4);
-  d |= (u64)((lbo >> 4) & 0x3FFFu) << 16;
-  d |= (u64)((sbo >> 4) & 0x3FFFu) << 32;
-  return d;
-}
+// WGMMA (A from registers, B descriptor: common.cuh wgmma_desc)
 // wgmma_m64n8k16_rs / wgmma_m64n16k16_rs (A from registers): common_wgmma.cuh (generated).
 
 // mma.sync m16n8k16 bf16 (per warp; MD_MMA=1): A fragment = the per-warp slice of the WGMMA A
@@ -53,22 +46,7 @@ DSV4_DEVICE void mma_m16n8k16_bf16(float* d, const u32* a, u32 b0, u32 b1) {
 }
 
 // ------------------------------------------------------------------------------------------
-// decode
-DSV4_DEVICE u32 bmul2(u32 a, u32 b) {
-  u32 r;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-// 8 E2M1 (element i in nibble i of w) -> out[j] = bf16x2 (lo = element j, hi = element j+4),
-// each = level * sign * f * 2^-126 (f = bf16x2 {scale * 2^118, same}).
-DSV4_DEVICE void e2m1x8_bf16_pairs(u32 w, u32 f2, u32 out[4]) {
-  const u32 M = 0x81C081C0u;
-  const u32 w8 = w >> 8;
-  out[0] = bmul2(((w & 0x000F000Fu) * 4160u) & M, f2);   // 2^6 + 2^12
-  out[1] = bmul2(((w & 0x00F000F0u) * 260u) & M, f2);    // 2^2 + 2^8
-  out[2] = bmul2(((w8 & 0x000F000Fu) * 4160u) & M, f2);
-  out[3] = bmul2(((w8 & 0x00F000F0u) * 260u) & M, f2);
-}
+// decode (the E2M1 words: common.cuh e2m1x8_bf16_pairs with f = bf16x2 {scale * 2^118, same})
 // bf16x2 {f, f} with f = 2^(b - 127) * 2^118 for a UE8M0 byte b (exact for b in [0, 136])
 DSV4_DEVICE u32 ue8m0_f2(u32 b) {
   const u32 e = min(b + 118u, 254u);

@@ -9,9 +9,11 @@ the data.
 Order contract of ``sorted=False`` (the op's default since issue 15): ascending position (logical
 positions, before the block_table mapping), padding last -- a function of the selected set only,
 never of atomic arrival order, so bitwise the same across runs, launch configurations and the torch
-reference: the row's leader orders its gathered selected set
-with a bitmap of the row's positions (one bit per entry, per-word prefix counts from one block scan;
-each entry's slot = the prefix of its word + the set bits below it). Measured and deleted (job
+reference: register tiles of >= 4 CTAs store pass B in position order and the leader merges the two
+position-sorted runs (winners, selected threshold-bin candidates: a binary search per entry, ``TOPK_PRUN``);
+otherwise the leader orders its gathered selected set with a bitmap of the row's positions (one bit per
+entry, per-word prefix counts from one block scan; each entry's slot = the prefix of its word + the set
+bits below it). Measured and deleted (job
 topk8-01): every CTA of a register-resident cluster writing its own entries in position order after a
 second cluster barrier that distributes the threshold and per-CTA offsets -- slower than the leader's
 sort: [1, 129280] 15.8 us vs 15.7 sorted, [128, 8192] 12.2 vs 11.5, [32, 32768] 17.6 vs 15.5.
@@ -37,6 +39,7 @@ import torch
 
 from dsv4.registry import Support
 
+from . import nvrtc
 from ._provider import CudaProvider
 from .nvrtc import launch, load, set_max_dynamic_smem
 
@@ -45,12 +48,18 @@ KMAX = 2048
 NBINS = 2048
 UNROLL = 4          # groups of 4 positions per thread and tile (TOPK_UNROLL)
 INT32_MAX = 2 ** 31 - 1
+#: launch ``topk_kernel`` with programmatic dependent launch (PDL): on a stream / in a CUDA graph its CTAs may be
+#: scheduled while the preceding kernel drains; the kernel waits (``griddepcontrol.wait``) before its first global
+#: access, so the result is the same either way. Job topk10-01 (graphs of 128 back-to-back calls, interleaved
+#: rounds): 0.9-1.0 us less per call on every DSV4 shape (e.g. [1, 129280] 13.46 -> 12.56, [128, 8192] 9.59 -> 8.61)
+PDL = True
 _smem_ready: set[int] = set()
+_pdl_configs: dict[tuple, object] = {}
 
 
 def smem_bytes(cap: int = CAP) -> int:
     """Dynamic shared memory of ``topk_kernel`` (TOPK_SMEM_BASE in topk.cu)."""
-    return 8 * KMAX + 8 * cap + 8 * NBINS + 512
+    return 8 * KMAX + 8 * cap + 8 * NBINS + 1024
 
 
 @dataclass(frozen=True)
@@ -81,10 +90,11 @@ def fits_resident(ncols: int, cluster: int, threads: int) -> bool:
 def default_config(rows: int, ncols: int, sm_count: int) -> TopkConfig:
     """The shape-adaptive choice, one wave of CTAs (rows * cluster <= SMs) where the batch allows:
 
-    * the smallest cluster (1..8 CTAs per row) whose slices fit one register tile of 1024 threads
+    * 1-4 rows (latency-bound): the smallest cluster (1..16 CTAs; 16 is non-portable) whose slices fit
+      512-thread register tiles (8192 positions): job topk9-01, [1, 32768] 4 x 512 10.2 us vs 2 x 1024
+      13.2, [4, 65536] 8 x 512 10.9 vs 4 x 1024 13.7, [1, 129280] 16 x 512 14.0 vs 8 x 1024 15.7;
+    * else the smallest cluster (1..8 CTAs per row) whose slices fit one register tile of 1024 threads
       (16384 positions): the row is read once; 512 threads up to 8192 positions per CTA;
-    * 1-4 rows that need 8 such CTAs: 16 CTAs of 512 threads (a non-portable cluster; its histograms
-      merged by reduce-scatter), whose slices still fit 512-thread tiles (8192 positions);
     * rows too long for that: the largest cluster with >= 2048 positions per CTA, 1024 threads,
       two passes over the row (the second mostly from L1/L2);
     * more rows than SMs: one CTA of 512 threads per row, two passes, 2 CTAs per SM.
@@ -95,12 +105,16 @@ def default_config(rows: int, ncols: int, sm_count: int) -> TopkConfig:
     if rows > sm_count:   # more than one wave anyway: 1 CTA per row, 2 CTAs per SM (<= 64 registers)
         return TopkConfig(1, 512, False)
     cap = max(1, sm_count // max(rows, 1))
+    if rows <= 4:         # few rows: latency-bound, the most CTAs that 512-thread register tiles need (<= 16)
+        cluster = 1
+        while cluster < 16 and 2 * cluster <= cap and not fits_resident(ncols, cluster, 512):
+            cluster *= 2
+        if fits_resident(ncols, cluster, 512):
+            return TopkConfig(cluster, 512, True)
     cluster = 1
     while cluster < 8 and 2 * cluster <= cap and not fits_resident(ncols, cluster, 1024):
         cluster *= 2
     if fits_resident(ncols, cluster, 1024):
-        if cluster == 8 and rows <= 4 and rows * 16 <= sm_count and fits_resident(ncols, 16, 512):
-            return TopkConfig(16, 512, True)
         threads = 512 if fits_resident(ncols, cluster, 512) else 1024
         return TopkConfig(cluster, threads, True)
     cluster = 1
@@ -143,6 +157,26 @@ def _kernel(mod, name: str, cluster: int = 1):
     return kern
 
 
+def _launch(kern, grid: int, block: int, args: tuple, smem: int, cluster, pdl: bool) -> None:
+    """``nvrtc.launch`` (``pdl=False``) or the same launch with the programmatic-stream-serialization attribute.
+    A plan that records this run (dsv4/ops/_trace.py) sees the launch through ``nvrtc._launch_hook`` and replays it
+    without the attribute (the same kernel and result; eager replays are host-bound, PDL matters in graphs)."""
+    if not pdl:
+        return launch(kern, grid, block, *args, smem=smem, cluster=cluster)
+    if nvrtc._launch_hook is not None:
+        nvrtc._launch_hook(kern, grid, block, args, smem, cluster)
+    key = (grid, block, smem, cluster)
+    cfg = _pdl_configs.get(key)
+    if cfg is None:
+        from cuda.core import LaunchConfig
+        kw = {"grid": grid, "block": block, "shmem_size": smem, "programmatic_stream_serialization": True}
+        if cluster is not None:
+            kw["cluster"] = cluster
+        cfg = _pdl_configs[key] = LaunchConfig(**kw)
+    conv = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    nvrtc._core_launch(nvrtc._stream(), cfg, kern, *conv)
+
+
 def launch_config(logits: torch.Tensor, config: TopkConfig | None = None, *, cluster: int | None = None,
                   threads: int | None = None, resident: bool | None = None, vec: bool | None = None) -> TopkConfig:
     """The :class:`TopkConfig` a call on ``logits`` runs with: ``config`` or :func:`default_config`
@@ -166,12 +200,15 @@ def launch_config(logits: torch.Tensor, config: TopkConfig | None = None, *, clu
 def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, block_table=None,
               block_size: int = 0, rows_per_seq: int = 1, *, sorted: bool = False, num_blocks: int | None = None,
               config: TopkConfig | None = None, cluster: int | None = None, threads: int | None = None,
-              resident: bool | None = None, vec: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              resident: bool | None = None, vec: bool | None = None, pdl: bool | None = None,
+              source: str = "topk.cu") -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``topk_kernel`` (arguments already validated by :func:`dsv4.ops.topk.topk`).
 
     ``config`` (or the single fields ``cluster`` 1/2/4/8, ``threads`` 256/512/1024, ``resident``,
     ``vec``) overrides :func:`default_config` (tests check bitwise equality across them; bench sweeps
-    them). ``resident=True`` is refused when a slice does not fit one tile.
+    them). ``resident=True`` is refused when a slice does not fit one tile. ``pdl``: programmatic
+    dependent launch (None: :data:`PDL`). ``source``: the kernel file (bench A/B of a variant with the
+    same signature).
     """
     rows, ncols = logits.shape
     dev = logits.device
@@ -182,20 +219,20 @@ def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, 
     row_stride = logits.stride(0) if rows > 1 else ncols
     if config.resident and not fits_resident(ncols, config.cluster, config.threads):
         raise ValueError(f"topk_cuda: resident config {config} does not fit rows of {ncols}")
-    mod = load("topk.cu", TOPK_CLUSTER=config.cluster, TOPK_THREADS=config.threads, TOPK_CAP=CAP,
+    mod = load(source, TOPK_CLUSTER=config.cluster, TOPK_THREADS=config.threads, TOPK_CAP=CAP,
                TOPK_VEC=int(config.vec), TOPK_RES=int(config.resident))
     kern = _kernel(mod, "topk_kernel", config.cluster)
     has_st = starts is not None
     has_bt = block_table is not None
     bt_stride = block_table.stride(0) if has_bt and block_table.shape[0] > 1 else (block_table.shape[1] if has_bt else 0)
     # cuda.core: with `cluster`, LaunchConfig's grid counts CLUSTERS, not blocks -> grid = rows
-    launch(kern, rows, config.threads,
-           logits, np.int64(row_stride), np.int32(ncols),
-           lengths, starts if has_st else lengths, np.int32(has_st),
-           block_table if has_bt else lengths, np.int64(bt_stride), np.int32(block_size if has_bt else 1),
-           np.int32(rows_per_seq), np.int32(has_bt), np.int32(_num_blocks(num_blocks)),
-           np.int32(k), np.int32(bool(sorted)), np.int32(rows), out_idx, out_sc,
-           smem=smem_bytes(), cluster=config.cluster if config.cluster > 1 else None)
+    _launch(kern, rows, config.threads,
+            (logits, np.int64(row_stride), np.int32(ncols),
+             lengths, starts if has_st else lengths, np.int32(has_st),
+             block_table if has_bt else lengths, np.int64(bt_stride), np.int32(block_size if has_bt else 1),
+             np.int32(rows_per_seq), np.int32(has_bt), np.int32(_num_blocks(num_blocks)),
+             np.int32(k), np.int32(bool(sorted)), np.int32(rows), out_idx, out_sc),
+            smem_bytes(), config.cluster if config.cluster > 1 else None, PDL if pdl is None else pdl)
     return out_idx, out_sc
 
 

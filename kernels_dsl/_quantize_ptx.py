@@ -40,11 +40,13 @@ ABS_INF = {"bfloat16": 0x7F80, "float16": 0x7C00}   # |half bits| >= this: Inf o
 if _HAVE_DSL:
 
     # the generic loads / stores / converts shared with the other sm_90a kernels (kernels_dsl/sm90/ptx.py)
-    from .sm90.ptx import (e4m3_byte_to_f32 as e4m3_to_f32, ld_global_nc_b32 as ld_nc_b32,  # noqa: F401
-                           ld_global_nc_f32 as ld_nc_f32, ld_shared_b32 as lds_b32,
-                           ld_shared_v4 as lds_v4, st_global_b32 as st_b32, st_global_f32 as st_f32,
-                           st_shared_b32 as sts_b32)
-    from .sm90.fp4 import e2m1x8_encode
+    from .sm90.fp4 import (bits_to_f32 as bits_f32, cvt_e4m3x2_f32 as e4m3x2, e2m1x8_encode,  # noqa: F401
+                           e4m3x2_to_f32x2, f32_to_bits as f32_bits, prmt)
+    from .sm90.ptx import (e4m3_byte_to_f32 as e4m3_to_f32, fence_proxy_async, ld_global_nc_b32 as ld_nc_b32,  # noqa: F401
+                           ld_global_nc_f32 as ld_nc_f32, ld_shared_b32 as lds_b32, ld_shared_v4 as lds_v4, max_u16x2,
+                           mbar_fence_init as fence_mbar_init, mbar_init, mbar_wait, pack_bf16x2 as f32_to_bf16x2,
+                           st_global_b32 as st_b32, st_global_f32 as st_f32, st_global_v4 as st_v4,
+                           st_shared_b32 as sts_b32, st_shared_f32 as sts_f32)
 
     def _v(x, ty, loc, ip):
         return ty(x).ir_value(loc=loc, ip=ip)
@@ -73,12 +75,6 @@ if _HAVE_DSL:
     def l2_evict_last(*, loc=None, ip=None):
         """An L2 ``evict_last`` cache policy (keep the line for a second pass)."""
         return Int64(_asm(T.i64(), "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l", [], False, loc, ip))
-
-    @dsl_user_op
-    def st_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None):
-        """16-byte global store ``st.global.v4.b32``."""
-        _asm(None, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
-             [_v(addr, Int64, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], True, loc, ip)
 
     @dsl_user_op
     def st_u8(addr, w, *, loc=None, ip=None):
@@ -125,17 +121,8 @@ if _HAVE_DSL:
 
     # ---------------------------------------------------------------- integer helpers
     @dsl_user_op
-    def max_u16x2(a, b, *, loc=None, ip=None):
-        return _u32("max.u16x2 $0, $1, $2;", "=r,r,r", [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip)], loc=loc, ip=ip)
-
-    @dsl_user_op
     def umax(a, b, *, loc=None, ip=None):
         return _u32("max.u32 $0, $1, $2;", "=r,r,r", [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip)], loc=loc, ip=ip)
-
-    @dsl_user_op
-    def prmt(a, b, sel, *, loc=None, ip=None):
-        return _u32("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
-                    [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip), _v(sel, Uint32, loc, ip)], loc=loc, ip=ip)
 
     @dsl_user_op
     def clz(a, *, loc=None, ip=None):
@@ -164,14 +151,6 @@ if _HAVE_DSL:
                     [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
 
     # ---------------------------------------------------------------- float helpers (exact PTX)
-    @dsl_user_op
-    def bits_f32(u, *, loc=None, ip=None):
-        return Float32(llvm.bitcast(T.f32(), _v(u, Uint32, loc, ip), loc=loc, ip=ip))
-
-    @dsl_user_op
-    def f32_bits(x, *, loc=None, ip=None):
-        return Uint32(llvm.bitcast(T.i32(), _v(x, Float32, loc, ip), loc=loc, ip=ip))
-
     @dsl_user_op
     def fmul(a, b, *, loc=None, ip=None):
         return _f32("mul.rn.f32 $0, $1, $2;", "=f,f,f", [_v(a, Float32, loc, ip), _v(b, Float32, loc, ip)], loc, ip)
@@ -208,28 +187,6 @@ if _HAVE_DSL:
         if not fp16:
             return bits_f32(w << 16), bits_f32(w & Uint32(0xFFFF0000))
         return half_to_f32(w & Uint32(0xFFFF), True), half_to_f32(w >> 16, True)
-
-    @dsl_user_op
-    def e4m3x2(lo, hi, *, loc=None, ip=None):
-        """Two fp32 -> two E4M3 bytes (RNE, satfinite; NaN -> 0x7F) in the low 16 bits, byte 0 = ``lo``."""
-        return _u32("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, $2, $1;\ncvt.u32.u16 $0, t;\n}", "=r,f,f",
-                    [_v(lo, Float32, loc, ip), _v(hi, Float32, loc, ip)], loc=loc, ip=ip)
-
-    @dsl_user_op
-    def e4m3x2_to_f32x2(u, *, loc=None, ip=None):
-        """The two E4M3 bytes in the low 16 bits of ``u`` -> two fp32 (exact, via f16x2)."""
-        r = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
-                 "{\n.reg .b16 t, lo, hi;\n.reg .b32 p;\ncvt.u16.u32 t, $2;\ncvt.rn.f16x2.e4m3x2 p, t;\n"
-                 "mov.b32 {lo, hi}, p;\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n}", "=f,=f,r",
-                 [_v(u, Uint32, loc, ip)], False, loc, ip)
-        return (Float32(llvm.extractvalue(T.f32(), r, [0], loc=loc, ip=ip)),
-                Float32(llvm.extractvalue(T.f32(), r, [1], loc=loc, ip=ip)))
-
-    @dsl_user_op
-    def f32_to_bf16x2(lo, hi, *, loc=None, ip=None):
-        """``cvt.rn.bf16x2.f32``: {lo in bits 0..15, hi in bits 16..31}."""
-        return _u32("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [_v(lo, Float32, loc, ip), _v(hi, Float32, loc, ip)],
-                    loc=loc, ip=ip)
 
     @dsl_user_op
     def f32_to_f16x2(lo, hi, *, loc=None, ip=None):
@@ -285,23 +242,6 @@ if _HAVE_DSL:
 
     # ---------------------------------------------------------------- bulk async copy (TMA, no tensor map)
     @dsl_user_op
-    def mbar_init(addr, count: int, *, loc=None, ip=None):
-        """``mbarrier.init.shared::cta.b64`` of the 8-byte barrier at shared address ``addr``."""
-        _asm(None, "mbarrier.init.shared::cta.b64 [$0], " + str(int(count)) + ";", "r", [_v(addr, Int32, loc, ip)],
-             True, loc, ip)
-
-    @dsl_user_op
-    def fence_mbar_init(*, loc=None, ip=None):
-        """Make barrier initializations visible to the async proxy (before the first bulk copy)."""
-        _asm(None, "fence.mbarrier_init.release.cluster;", "", [], True, loc, ip)
-
-    @dsl_user_op
-    def fence_proxy_async(*, loc=None, ip=None):
-        """``fence.proxy.async.shared::cta``: order this thread's (and, after a warp barrier, the warp's)
-        generic shared-memory accesses before later async-proxy (bulk copy) accesses."""
-        _asm(None, "fence.proxy.async.shared::cta;", "", [], True, loc, ip)
-
-    @dsl_user_op
     def bulk_load(dst, src, nbytes, mbar, pol, *, loc=None, ip=None):
         """Arm ``mbar`` with ``nbytes`` (``mbarrier.arrive.expect_tx``) and start one bulk copy of ``nbytes``
         (multiple of 16, 16-byte aligned) from global ``src`` to shared ``dst`` that completes on ``mbar``
@@ -311,11 +251,6 @@ if _HAVE_DSL:
              "r,l,r,r,l", [_v(dst, Int32, loc, ip), _v(src, Int64, loc, ip), _v(nbytes, Int32, loc, ip),
                            _v(mbar, Int32, loc, ip), _v(pol, Int64, loc, ip)], True, loc, ip)
 
-    @dsl_user_op
-    def mbar_wait(mbar, parity, *, loc=None, ip=None):
-        """Spin until the barrier's phase with ``parity`` has completed (``mbarrier.try_wait.parity``)."""
-        _asm(None, "{\n.reg .pred p;\nWAIT_LOOP:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
-                   "@!p bra WAIT_LOOP;\n}", "r,r", [_v(mbar, Int32, loc, ip), _v(parity, Int32, loc, ip)], True, loc, ip)
 
     def store_staged(dst, sd, lane, tile_bytes: int, full, valid_words):
         """Copy a warp's staged output tile (``tile_bytes`` at shared ``sd``) to global ``dst``: 16-byte
@@ -392,10 +327,6 @@ if _HAVE_DSL:
         """1-byte read-only load predicated on ``pred != 0`` (0 otherwise)."""
         return _u32("{\n.reg .pred p;\n.reg .b16 t;\nsetp.ne.b32 p, $2, 0;\nmov.b16 t, 0;\n@p ld.global.nc.u8 t, [$1];\n"
                     "cvt.u32.u16 $0, t;\n}", "=r,l,r", [_v(addr, Int64, loc, ip), _v(pred, Int32, loc, ip)], True, loc, ip)
-
-    @dsl_user_op
-    def sts_f32(addr, x, *, loc=None, ip=None):
-        _asm(None, "st.shared.f32 [$0], $1;", "r,f", [_v(addr, Int32, loc, ip), _v(x, Float32, loc, ip)], True, loc, ip)
 
     def finite_chunk_absmax(w, abs_inf: int):
         """max |half| over the FINITE halves of a chunk (NaN / Inf count as 0), as |bits|.
@@ -490,6 +421,16 @@ if _HAVE_DSL:
         cute.arch.griddepcontrol_wait()
         if early:
             cute.arch.griddepcontrol_launch_dependents()
+
+    def kernel_prologue(early: bool):
+        """First statements of the quantize / dequant kernel bodies: :func:`pdl_prologue`, then this thread's
+        ``(tidx, lane, warp, bidx, gdim)``: thread, lane and warp in the CTA, CTA index, grid size (for the
+        grid-stride loops over warp tiles)."""
+        pdl_prologue(early)
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        return tidx, tidx % 32, tidx // 32, bidx, gdim
 
     def pdl_epilogue(early: bool):
         """Last statement of every kernel body: (not ``early``) let the next PDL launch start as this grid drains."""

@@ -25,13 +25,12 @@ are stored with ``st.global.v4.b32``, the tail of each output with scalar stores
 Walls: none. One compile per ``(kind, positions / req_idx / first / lens dtypes, arch)``; every
 size is a runtime value.
 
-Validated on the H200 (job lists-11, 2026-12-01): bit-identical to the torch provider on 25
-cases (adversarial int64 / bad-id / empty-table / slot-overflow cases, random, the ``dsv4 run``
-shapes, T = 4099 x K = 1024, strided entries) and under CUDA-graph capture + replay. ``dsv4 run
---context 131072`` (B = 8 x next_n 2, CUDA-graph timing): csa 14.8 us (torch glue 97.6 us), hca
-16.4 us (107.3 us), swa 18.7 us (59.6 us). At T = 16 rows the launch has only 2-10 CTAs and is
-latency-bound: each thread's 4 elements do dependent position -> request -> block-table loads
-(hoisting the per-row loads once per chunk and one element per thread are the next steps).
+Bit-identical to the torch provider (tests/test_attn_lists.py, GPU: adversarial int64 / bad-id /
+empty-table / slot-overflow cases, random, the ``dsv4 run`` shapes, T = 4099 x K = 1024, strided
+entries, CUDA-graph capture + replay); timings: docs/benchmarks.md. At T = 16 rows the launch has
+only 2-10 CTAs and is latency-bound: each thread's 4 elements do dependent position -> request ->
+block-table loads (hoisting the per-row loads once per chunk and one element per thread are the
+next steps).
 """
 from __future__ import annotations
 

@@ -19,8 +19,6 @@ symbolic (``cute.sym_int``), so one compile serves every size. Launches take ten
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,7 +33,7 @@ try:  # the DSL is optional at import time: the provider then reports "unavailab
     from cutlass import Float32, Int32, Int64, Uint8, Uint32
     from cutlass.memory import SmemAllocator
 
-    from ._quantize_ptx import pdl_epilogue, pdl_launch_kw, pdl_prologue
+    from ._quantize_ptx import kernel_prologue, pdl_epilogue, pdl_launch_kw
     from .sm90 import fp4
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
@@ -146,12 +144,7 @@ if _HAVE_DSL:
         @cute.kernel
         def kernel(self, gData: cute.Tensor, gScale: cute.Tensor, gOut: cute.Tensor,
                    mGlobal: Optional[cute.Tensor], n_chunks: Int64, n_blocks: Int32):
-            pdl_prologue(True)          # (trigger at the start: quant9-02, 8192^2 equal)
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            lane = tidx % 32
-            warp = tidx // 32
+            _, lane, warp, bidx, gdim = kernel_prologue(True)      # (trigger at the start: quant9-02, 8192^2 equal)
             U = self.tiles
 
             # shared memory: chunk column (warp * U + u) * 32 + lane (4 words each, so a tile's
@@ -262,18 +255,10 @@ def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[
 
     Used by tests/test_compile_dsl.py (which asserts ``PTX_PATTERNS`` / ``PTX_FORBIDDEN``).
     """
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        for fmt in SF:
-            for o in _OUT_DSL:
-                fn = _compile(fmt, o, arch, f"--keep-ptx --dump-dir {d}")
-                ptx = fn.__ptx__
-                if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
-                    raise RuntimeError(f"no PTX text for dequant_fp4 {fmt}/{o} (got {str(ptx)[:200]!r})")
-                out[f"{fmt}-{o}"] = ptx
-    return out
+    from ._compile import compile_variants
+    return compile_variants("dequant_fp4", {
+        f"{fmt}-{o}": (lambda arch, extra, fmt=fmt, o=o: _compile(fmt, o, arch, extra)) for fmt in SF for o in _OUT_DSL},
+        dump_dir, arch)
 
 
 #: why this provider is the default (the registry prefers the provider measured faster; the cuda
@@ -296,6 +281,10 @@ class DslDequantFp4(DslProvider):
             return Support.no(f"dsl: K={problem['K']} is not a multiple of 32 (one 16-byte chunk = 32 values per thread)")
         return Support.yes("sm_90a, K % 32 == 0; " + MEASURED)
 
+    def config(self, problem, target=None):
+        """The :class:`DequantFp4Config` ``run`` launches (one for every size)."""
+        return _config()
+
     def run(self, problem, *, data, scale, global_scale):
         import torch
 
@@ -308,7 +297,7 @@ class DslDequantFp4(DslProvider):
             return out
         target = Target.of(data.device)
         arch = target.arch
-        cfg = _config()
+        cfg = self.config(problem)
         fn = compile_cached(("dequant_fp4", fmt, out_name, arch, cfg),
                             lambda: _compile(fmt, out_name, arch, config=cfg))
         g = dl(global_scale, 4, layout="static") if fmt == "nvfp4" else None   # static [1], like the fake

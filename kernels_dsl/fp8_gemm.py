@@ -30,15 +30,11 @@ every k-tile is done (that would double the accumulator registers).
 Tile 128 x 256 x 128 (default) or 128 x 128 x 128; M, N, K are runtime values (one compile per
 ``(out dtype, tile_n, cluster_m, epilogue, arch)``).
 
-Measured on the H200 (2026-11-29, scripts/gpu_dsl.sh, bf16 out, randn operands, L2 flushed):
-1155-1370 TFLOP/s at the MoE prefill per-expert shapes and 1341 TFLOP/s at 8192^3 with the
-TMA-store epilogue, 1.09-1.17x torch._scaled_mm at the same shapes in the same run
-(docs/benchmarks.md). CTA pairs (``cluster_m=2``) were not faster on these shapes.
+Throughput vs ``torch._scaled_mm`` (MoE prefill per-expert shapes, 8192^3): docs/benchmarks.md
+("CuTe DSL: FP8 dense GEMM ceiling"); CTA pairs (``cluster_m=2``) were not faster on those shapes.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Optional
 
 from ._compile import compile_cached, compile_options, dl, dsl_available, i32, launch_on
@@ -363,17 +359,11 @@ def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a",
     """
     variants = variants or tuple((o, n, c, e) for o in _OUT for n in TILE_NS for c in CLUSTERS for e in EPILOGUES
                                  if e == "direct" or o == "bfloat16")
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        for o, n, c, e in variants:
-            fn = _compile(o, n, arch, f"--keep-ptx --dump-dir {d}", cluster_m=c, epilogue=e)
-            ptx = fn.__ptx__
-            if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
-                raise RuntimeError(f"no PTX text for fp8_gemm {o}/n{n}/c{c}/{e} (got {str(ptx)[:200]!r})")
-            res[f"{o}-n{n}-c{c}" + ("-tma" if e == "tma" else "")] = ptx
-    return res
+    from ._compile import compile_variants
+    return compile_variants("fp8_gemm", {
+        f"{o}-n{n}-c{c}" + ("-tma" if e == "tma" else ""):
+            (lambda arch, extra, o=o, n=n, c=c, e=e: _compile(o, n, arch, extra, cluster_m=c, epilogue=e))
+        for o, n, c, e in variants}, dump_dir, arch)
 
 
 def _check_operand(name: str, t, rows_name: str, rows_mult: int) -> None:

@@ -33,14 +33,14 @@ under the 3-CTA bound; FP8 next_n 3, 4: 166-168 at 2 CTAs).
 """
 from __future__ import annotations
 
-import os
-import tempfile
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, compile_options, dl, dsl_target_support, i32, launch_on
+from ._compile import (DslProvider, compile_cached, compile_options, compile_variants, dl, dsl_target_support, i32,
+                       launch_on)
 
 __all__ = ["PagedConfig", "paged_config", "paged_smem_bytes", "DslPagedLogits", "DslLogits", "prefill_logits_dsl",
            "DslTopkPaged", "PREFILL_FORMATS", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
@@ -130,17 +130,9 @@ def compile_paged_all(dump_dir: Optional[str] = None, arch: str = "sm_90a", vari
     """Compile decode specializations (default: every fmt x next_n with the heuristic config) for
     ``arch`` without a GPU; ``{"<fmt>-nn<k>": PTX}``."""
     variants = variants or [(f, nn) for f in DSL_FORMATS for nn in (1, 2, 3, 4)]
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        for fmt, nn in variants:
-            fn = _compile_paged(paged_config(fmt, nn), arch, f"--keep-ptx --dump-dir {d}")
-            ptx = fn.__ptx__
-            if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
-                raise RuntimeError(f"no PTX text for indexer_paged {fmt}/nn{nn} (got {str(ptx)[:200]!r})")
-            res[f"{fmt}-nn{nn}"] = ptx
-    return res
+    return compile_variants("indexer_paged", {
+        f"{fmt}-nn{nn}": functools.partial(_compile_paged, paged_config(fmt, nn)) for fmt, nn in variants},
+        dump_dir, arch)
 
 
 def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[str, str]:
@@ -357,9 +349,7 @@ class DslTopkPaged(DslPagedLogits):
             return Support.no(f"dsl: k={problem['k']} outside 1..2048")
         return Support.yes("sm_90a, MXFP4 / FP8 keys: logits kernel + topk op")
 
-    def config(self, problem, target=None):
-        """The logits kernel's :class:`PagedConfig` (the topk op records its own launch config)."""
-        return paged_config(problem["fmt"], problem["next_n"])
+    # config(): the logits kernel's PagedConfig, inherited (the topk op records its own launch config)
 
     def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
         from dsv4.ops.topk import topk

@@ -104,16 +104,8 @@ def compile_rows(arch: str, extra: str = ""):
 
 
 def compile_check(dump_dir=None, arch: str = "sm_90a") -> dict:
-    import os
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        fn = compile_rows(arch, f"--keep-ptx --dump-dir {d}")
-        ptx = fn.__ptx__
-        if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
-            raise RuntimeError(f"no PTX text for indexer_fp8_rows (got {str(ptx)[:200]!r})")
-        return {"mxfp4-to-fp8": ptx}
+    from ._compile import compile_variants
+    return compile_variants("indexer_fp8_rows", {"mxfp4-to-fp8": compile_rows}, dump_dir, arch)
 
 
 def mxfp4_rows_to_fp8(vals, sf):

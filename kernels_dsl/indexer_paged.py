@@ -50,20 +50,9 @@ Kernel structure (own code; structure learned from DeepGEMM ``sm90_fp8_paged_mqa
 Constraints: ``block_size % 64 == 0``; ``next_n`` 1..4; q_data / q_sf / w / cache base
 addresses 16-byte aligned (the provider checks and copies otherwise).
 
-Measured on the H200 (issue 13; decode B = 32 x 32768 entries, CUDA-graph replays, job decode-03:
-the committed kernel of job idx-15 in the same process, bitwise equal logits): MXFP4 next_n 1 40.0 us
-(42.0% of copy bandwidth; was 43.4), next_n 2 59.4 us (was 66.2), next_n 4 95.8 us (was 106.1); FP8
-next_n 1 40.7 us (80%, unchanged), next_n 2 50.2 us (was 51.9); MXFP4 B = 128: 147.1 us (45.7%, was
-161.7), B = 64 uneven 256..32768 entries: 44.8 us (39.7%, was 50.0). Measured and deleted (jobs
-decode-01 / -02, no gain): tile pairs whose second WGMMAs run under the first tile's epilogue; ReLU
-as ``x + |x|`` on the FMA pipe, quad-shuffle key maxima and ``mul.hi`` shifts (together -26% of
-the integer-ALU instructions, 0-1% time); 4 CTAs per SM for FP8 keys.
-ncu (decode-02, MXFP4 next_n 1, 4 CTAs): 7.4 warp cycles per issued instruction spread over
-wait 1.2 / not-selected 1.2 / dispatch 0.8 / long-scoreboard 0.6 / short-scoreboard 0.6 / math-pipe
-0.5 / gmma 0.5, DRAM 29%: no single limiter; the next step is structural (one warp less per CTA:
-the producer's work folded into a math warp for 4 CTAs at 128 registers, or 2 math warpgroups
-sharing the key tile). Cross-iteration WGMMA overlap (issue tile t+1 before tile t's epilogue,
-in flight across the loop back-edge) makes ptxas serialize every WGMMA (C7514).
+Timings, the variants measured and deleted, the ncu profile: docs/benchmarks.md ("Lightning Indexer
+decode kernel tuning"). Loop shape: a cross-iteration WGMMA overlap (tile t+1 issued before tile t's
+epilogue, in flight across the loop back-edge) makes ptxas serialize every WGMMA (C7514).
 """
 from __future__ import annotations
 
@@ -78,8 +67,7 @@ try:
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 
-    from . import _indexer_ptx as ptx
-    from .sm90 import fp4
+    from .sm90 import fp4, ptx
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -189,6 +177,16 @@ if _HAVE_DSL:
             return (L + (TILE - 1)) // TILE
 
         @cute.jit
+        def seq_tiles_tail(self, mLens: cute.Tensor, b: Int32, B: Int32, max_ctx: Int32, nct: Int32):
+            """(data tiles, tail column chunks = nct - data tiles) of sequence b; (0, 0) for b >= B."""
+            n_b = Int32(0)
+            tl = Int32(0)
+            if b < B:
+                n_b = self.seq_tiles(mLens, b, max_ctx)
+                tl = nct - n_b
+            return n_b, tl
+
+        @cute.jit
         def schedule(self, mLens: cute.Tensor, B: Int32, max_ctx: Int32, sched_addr: Int32):
             """Producer warp: this CTA's [start, start + count) of the flattened data tiles and of
             the tail column chunks (as (sequence, tile) starts), written to smem ``sched``:
@@ -201,11 +199,7 @@ if _HAVE_DSL:
             tot_t = Int32(0)
             for c0 in cutlass.range(0, B, 32, unroll=1):
                 b = c0 + lane
-                n_b = Int32(0)
-                tl = Int32(0)
-                if b < B:
-                    n_b = self.seq_tiles(mLens, b, max_ctx)
-                    tl = nct - n_b
+                n_b, tl = self.seq_tiles_tail(mLens, b, B, max_ctx, nct)
                 tot_d = tot_d + cute.arch.warp_reduction_sum(n_b)
                 tot_t = tot_t + cute.arch.warp_reduction_sum(tl)
             d0 = Int32(Int64(cta) * Int64(tot_d) // Int64(G))
@@ -221,11 +215,7 @@ if _HAVE_DSL:
             tc0 = Int32(0)
             for c0 in cutlass.range(0, B, 32, unroll=1):
                 b = c0 + lane
-                n_b = Int32(0)
-                tl = Int32(0)
-                if b < B:
-                    n_b = self.seq_tiles(mLens, b, max_ctx)
-                    tl = nct - n_b
+                n_b, tl = self.seq_tiles_tail(mLens, b, B, max_ctx, nct)
                 xd = n_b
                 xt = tl
                 for off in cutlass.range_constexpr(5):
@@ -250,12 +240,12 @@ if _HAVE_DSL:
                 pd = cute.arch.shuffle_sync(incl_d, offset=31)
                 pt = cute.arch.shuffle_sync(incl_t, offset=31)
             if lane == 0:
-                ptx.st_shared_u32(sched_addr + 0, Uint32(b0))
-                ptx.st_shared_u32(sched_addr + 4, Uint32(t0))
-                ptx.st_shared_u32(sched_addr + 8, Uint32(d1 - d0))
-                ptx.st_shared_u32(sched_addr + 12, Uint32(tb0))
-                ptx.st_shared_u32(sched_addr + 16, Uint32(tc0))
-                ptx.st_shared_u32(sched_addr + 20, Uint32(e1 - e0))
+                ptx.st_shared_b32(sched_addr + 0, Uint32(b0))
+                ptx.st_shared_b32(sched_addr + 4, Uint32(t0))
+                ptx.st_shared_b32(sched_addr + 8, Uint32(d1 - d0))
+                ptx.st_shared_b32(sched_addr + 12, Uint32(tb0))
+                ptx.st_shared_b32(sched_addr + 16, Uint32(tc0))
+                ptx.st_shared_b32(sched_addr + 20, Uint32(e1 - e0))
 
         @cute.jit
         def max_exponent(self, u: Uint32) -> Int32:
@@ -302,7 +292,7 @@ if _HAVE_DSL:
             luts = [Uint32(0), Uint32(0), Uint32(0), Uint32(0)]
             rare = Int32(0)
             for h in cutlass.range_constexpr(2):
-                u = ptx.ld_shared_u32(raw + TILE * 64 + (r + 8 * h) * 4)
+                u = ptx.ld_shared_b32(raw + TILE * 64 + (r + 8 * h) * 4)
                 b0 = Int32(u & Uint32(0xFF))
                 b1 = Int32(fp4.prmt(u, Uint32(0), Uint32(0x4441)))
                 b2 = Int32(fp4.prmt(u, Uint32(0), Uint32(0x4442)))
@@ -344,7 +334,7 @@ if _HAVE_DSL:
                 row = b_base + (n // 64) * (64 * 128) + rr * 128
                 words = [Uint32(0)] * 8
                 if cutlass.const_expr(self.fmt == "mxfp4"):
-                    u = ptx.ld_shared_u32(qraw + self.qv + n * 4)
+                    u = ptx.ld_shared_b32(qraw + self.qv + n * 4)
                     eh = self.max_exponent(u)
                     d = Int32((u >> (Uint32(c) * 8)) & Uint32(0xFF)) - eh + 6
                     lo, hi = fp4.e4m3_lut(d)
@@ -366,7 +356,7 @@ if _HAVE_DSL:
                 for q in cutlass.range_constexpr(8):
                     # word q = dims 32 c + 4 q .. + 3 -> k = 32 (q // 2) + 16 (q % 2) + 4 c
                     chunk = 2 * (q // 2) + (q % 2)
-                    ptx.st_shared_u32(row + ((chunk ^ (rr % 8)) << 4) + 4 * c, words[q])
+                    ptx.st_shared_b32(row + ((chunk ^ (rr % 8)) << 4) + 4 * c, words[q])
 
         @cute.jit
         def head_sum(self, acc: cute.Tensor, rW: cute.Tensor, r: int, swp: Int32, q4: Int32):
@@ -442,12 +432,7 @@ if _HAVE_DSL:
             ptx.named_barrier(BAR_ALL, THREADS)
             if warp == 4:
                 # ======================= producer warp =======================
-                b = Int32(ptx.ld_shared_u32(sched + 0))
-                t = Int32(ptx.ld_shared_u32(sched + 4))
-                count = Int32(ptx.ld_shared_u32(sched + 8))
-                n_b = Int32(0)
-                if count > 0:
-                    n_b = self.seq_tiles(mLens, b, max_ctx)
+                b, t, count, n_b = self.sched_start(mLens, sched, max_ctx)
                 cache0 = mCache.iterator.toint()
                 q0 = mQ.iterator.toint()
                 qs0 = mQsf.iterator.toint()
@@ -484,7 +469,7 @@ if _HAVE_DSL:
                     if lane == 0:
                         dst = raw0 + stage * self.raw
                         if (page >= 0) & (page < num_blocks):
-                            ptx.st_shared_u32(flags + 4 * stage, Uint32(1))
+                            ptx.st_shared_b32(flags + 4 * stage, Uint32(1))
                             ptx.mbar_arrive_expect_tx(full0 + 8 * stage, self.raw)
                             pbase = cache0 + Int64(page) * Int64(block_size) * bpt
                             ptx.bulk_g2s(dst, pbase + Int64(j0) * VB[self.fmt], TILE * VB[self.fmt], full0 + 8 * stage)
@@ -492,28 +477,12 @@ if _HAVE_DSL:
                                          pbase + Int64(block_size) * VB[self.fmt] + Int64(j0) * SB[self.fmt],
                                          TILE * SB[self.fmt], full0 + 8 * stage)
                         else:
-                            ptx.st_shared_u32(flags + 4 * stage, Uint32(0))
+                            ptx.st_shared_b32(flags + 4 * stage, Uint32(0))
                             ptx.mbar_arrive(full0 + 8 * stage)
-                    stage = stage + 1
-                    if stage == S:
-                        stage = Int32(0)
-                        phase = phase ^ 1
-                    # advance to the next tile (skipping sequences without tiles)
-                    t = t + 1
-                    if t >= n_b:
-                        t = Int32(0)
-                        b = b + 1
-                        new_seq = Int32(1)
-                        n_b = Int32(0)
-                        while (b < B) & (n_b == 0):
-                            n_b = self.seq_tiles(mLens, b, max_ctx)
-                            if n_b == 0:
-                                b = b + 1
+                    stage, phase = self.ring_advance(stage, phase)
+                    b, t, n_b, new_seq = self.next_tile(mLens, b, t, n_b, B, max_ctx)
             else:
                 # ======================= math warpgroup =======================
-                b = Int32(ptx.ld_shared_u32(sched + 0))
-                t = Int32(ptx.ld_shared_u32(sched + 4))
-                count = Int32(ptx.ld_shared_u32(sched + 8))
                 thr = tiled_mma.get_slice(tidx)
                 sB = st.sB.get_tensor(sB_l.outer, swizzle=sB_l.inner)
                 tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
@@ -526,9 +495,7 @@ if _HAVE_DSL:
                 accs = (cute.make_rmem_tensor(acc_shape, Float32), cute.make_rmem_tensor(acc_shape, Float32))
                 rW = cute.make_rmem_tensor(((nn if self.w_regs else 1) * 16,), Float32)
                 rLen = cute.make_rmem_tensor((nn,), Int32)
-                n_b = Int32(0)
-                if count > 0:
-                    n_b = self.seq_tiles(mLens, b, max_ctx)
+                b, t, count, n_b = self.sched_start(mLens, sched, max_ctx)
                 qphase = Int32(0)
                 stage = Int32(0)
                 phase = Int32(0)
@@ -560,12 +527,7 @@ if _HAVE_DSL:
                         tidx, lane, warp)
 
                 # ---- tail: columns past each sequence's last data tile are -inf
-                tb = Int32(ptx.ld_shared_u32(sched + 12))
-                tc = Int32(ptx.ld_shared_u32(sched + 16))
-                tcount = Int32(ptx.ld_shared_u32(sched + 20))
-                ntl = Int32(0)
-                if tcount > 0:
-                    ntl = self.seq_tiles(mLens, tb, max_ctx)
+                tb, tc, tcount, ntl = self.sched_start(mLens, sched + 12, max_ctx)
                 tc = tc + ntl                     # tail chunk index -> column tile index
                 for _ in cutlass.range(tcount, unroll=1):
                     col = tc * TILE + tidx % 64
@@ -581,6 +543,37 @@ if _HAVE_DSL:
                             tc = self.seq_tiles(mLens, tb, max_ctx)
                             if tc >= nct:
                                 tb = tb + 1
+
+        @cute.jit
+        def sched_start(self, mLens: cute.Tensor, addr: Int32, max_ctx: Int32):
+            """One (sequence, tile, count) start of :meth:`schedule` read from smem ``addr`` (data
+            tiles: ``sched``, tail chunks: ``sched + 12``), with the data tiles of that sequence (0
+            when count = 0): ``(b, t, count, n_b)``."""
+            b = Int32(ptx.ld_shared_b32(addr + 0))
+            t = Int32(ptx.ld_shared_b32(addr + 4))
+            count = Int32(ptx.ld_shared_b32(addr + 8))
+            n_b = Int32(0)
+            if count > 0:
+                n_b = self.seq_tiles(mLens, b, max_ctx)
+            return b, t, count, n_b
+
+        @cute.jit
+        def next_tile(self, mLens: cute.Tensor, b: Int32, t: Int32, n_b: Int32, B: Int32, max_ctx: Int32):
+            """The flattened data tile after tile t of sequence b (which has n_b tiles): the next
+            tile of b, else tile 0 of the next sequence that has tiles (b = B past the last).
+            Returns (b, t, n_b, new_seq) with new_seq = 1 where the sequence changed."""
+            t = t + 1
+            new_seq = Int32(0)
+            if t >= n_b:
+                t = Int32(0)
+                b = b + 1
+                new_seq = Int32(1)
+                n_b = Int32(0)
+                while (b < B) & (n_b == 0):
+                    n_b = self.seq_tiles(mLens, b, max_ctx)
+                    if n_b == 0:
+                        b = b + 1
+            return b, t, n_b, new_seq
 
         @cute.jit
         def ring_advance(self, stage: Int32, phase: Int32):
@@ -608,7 +601,7 @@ if _HAVE_DSL:
             release the stage (one arrival per warp: each warp reads only its own 16 keys)."""
             raw0, full0, empty0, flags = ring
             ptx.mbar_wait(full0 + 8 * stage, phase)
-            rOk[0] = Int32(ptx.ld_shared_u32(flags + 4 * stage))
+            rOk[0] = Int32(ptx.ld_shared_b32(flags + 4 * stage))
             self.transform_regs(raw0 + stage * self.raw, wA, rKs, lane, warp)
             cute.arch.sync_warp()
             if lane == 0:
@@ -629,19 +622,7 @@ if _HAVE_DSL:
             m0 = warp * 16 + lane // 4
             q4 = lane % 4
             base_s = t * TILE
-            nt = t + 1
-            nbq = b
-            nnb = n_b
-            next_new = Int32(0)
-            if nt >= n_b:
-                nt = Int32(0)
-                nbq = b + 1
-                next_new = Int32(1)
-                nnb = Int32(0)
-                while (nbq < B) & (nnb == 0):
-                    nnb = self.seq_tiles(mLens, nbq, max_ctx)
-                    if nnb == 0:
-                        nbq = nbq + 1
+            nbq, nt, nnb, next_new = self.next_tile(mLens, b, t, n_b, B, max_ctx)
             next_same = (has_next != 0) & (next_new == 0)
             next_other = (has_next != 0) & (next_new != 0)
             for r in cutlass.range_constexpr(min(nn, 2)):

@@ -50,7 +50,7 @@ try:
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 
-    from . import _indexer_ptx as ptx
+    from .sm90 import ptx
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -134,8 +134,12 @@ if _HAVE_DSL:
 
         # ------------------------------------------------------------------ helpers
         @cute.jit
-        def unit_range(self, mKsIdx: cute.Tensor, mKeIdx: cute.Tensor, u: Int32, T: Int32, S: Int32):
-            """Key tiles [tile0, tile1) covering the union of the ranges of unit u's queries."""
+        def unit_tiles(self, mKsIdx: cute.Tensor, mKeIdx: cute.Tensor, k: Int32, cta: Int32, G: Int32, U: Int32,
+                       T: Int32, S: Int32):
+            """This CTA's k-th query unit u (units dealt round-robin over the G CTAs, from the last
+            of the U units) and the key tiles [tile0, tile1) covering the union of the ranges of
+            u's queries: (u, tile0, tile1). The producer and the math warpgroups walk the same list."""
+            u = U - 1 - cta - k * G
             lo = S
             hi = Int32(0)
             for i in cutlass.range_constexpr(QUNIT):
@@ -151,7 +155,7 @@ if _HAVE_DSL:
             if hi <= lo:
                 tile0 = Int32(0)
                 tile1 = Int32(0)
-            return tile0, tile1
+            return u, tile0, tile1
 
         @cute.jit
         def head_sum(self, acc: cute.Tensor, rW: cute.Tensor, r: int):
@@ -194,9 +198,10 @@ if _HAVE_DSL:
                     mOut[t, s] = cutlass.select_(ok, v, Float32(NEG_INF))
 
         @cute.jit
-        def advance(self, stage: Int32, phase: Int32):
+        def advance(self, stage: Int32, phase: Int32, n: int):
+            """Next slot of an n-deep ring: (stage + 1) mod n, the phase flipped at the wrap."""
             stage = stage + 1
-            if stage == self.stages:
+            if stage == n:
                 stage = Int32(0)
                 phase = phase ^ 1
             return stage, phase
@@ -242,6 +247,12 @@ if _HAVE_DSL:
             sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)
             sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
             sKs = st.ks.get_tensor(sKs_l)
+            # (slot, phase) of the key ring and of the query ring: the producer and the math
+            # warpgroups walk both from slot 0, phase 0
+            stage = Int32(0)
+            phase = Int32(0)
+            qst = Int32(0)
+            qph = Int32(0)
 
             if wg == 0:
                 # ======================= producer =======================
@@ -258,13 +269,8 @@ if _HAVE_DSL:
                                                      cute.group_modes(gS, 0, 1))
                     kfull_p = st.kfull.data_ptr()
                     qfull_p = st.qfull.data_ptr()
-                    stage = Int32(0)
-                    phase = Int32(0)
-                    qst = Int32(0)
-                    qph = Int32(0)
                     for k in cutlass.range(n_my, unroll=1):
-                        u = U - 1 - cta - k * G
-                        tile0, tile1 = self.unit_range(mKsIdx, mKeIdx, u, T, S)
+                        u, tile0, tile1 = self.unit_tiles(mKsIdx, mKeIdx, k, cta, G, U, T, S)
                         ptx.mbar_wait(qempty + 8 * qst, qph ^ 1)
                         # expect-tx by one elected lane; the TMA copies by the WHOLE warp (a TMA
                         # cute.copy elects its own issuing lane with elect.sync over the full warp:
@@ -274,20 +280,14 @@ if _HAVE_DSL:
                         for w in cutlass.range_constexpr(WGS):
                             cute.copy(tma_q, tQg[(None, u * WGS + w, 0)], tQs[(None, qst * WGS + w)],
                                       tma_bar_ptr=qfull_p + qst)
-                        qst = qst + 1
-                        if qst == QS:
-                            qst = Int32(0)
-                            qph = qph ^ 1
+                        qst, qph = self.advance(qst, qph, QS)
                         for tile in cutlass.range(tile0, tile1, unroll=1):
                             ptx.mbar_wait(kempty + 8 * stage, phase ^ 1)
                             with cute.arch.elect_one():
                                 ptx.mbar_arrive_expect_tx(kfull + 8 * stage, TILE * 128 * self.elt + TILE * 4)
                             cute.copy(tma_k, tKg[(None, tile, 0)], tKs[(None, stage)], tma_bar_ptr=kfull_p + stage)
                             cute.copy(tma_s, tSg[(None, tile)], tSs[(None, stage)], tma_bar_ptr=kfull_p + stage)
-                            stage = stage + 1
-                            if stage == S_st:
-                                stage = Int32(0)
-                                phase = phase ^ 1
+                            stage, phase = self.advance(stage, phase, S_st)
             else:
                 # ======================= math warpgroups =======================
                 cute.arch.setmaxregister_increase(MATH_REGS)
@@ -305,13 +305,8 @@ if _HAVE_DSL:
                 n_kb = cute.size(tCrA, mode=[2])
                 m0 = mwarp * 16 + lane // 4
                 q4 = lane % 4
-                stage = Int32(0)
-                phase = Int32(0)
-                qst = Int32(0)
-                qph = Int32(0)
                 for k in cutlass.range(n_my, unroll=1):
-                    u = U - 1 - cta - k * G
-                    tile0, tile1 = self.unit_range(mKsIdx, mKeIdx, u, T, S)
+                    u, tile0, tile1 = self.unit_tiles(mKsIdx, mKeIdx, k, cta, G, U, T, S)
                     t0 = u * QUNIT + w * BQ
                     for r in cutlass.range_constexpr(BQ):
                         t = t0 + r
@@ -343,15 +338,12 @@ if _HAVE_DSL:
                         if lane == 0:
                             ptx.mbar_arrive(kempty + 8 * stage)
                         self.epilogue(acc, rW, rLo, rHi, mOut, t0, tile, ksc0, ksc1, m0, q4, T, S)
-                        stage, phase = self.advance(stage, phase)
+                        stage, phase = self.advance(stage, phase, S_st)
                     # release the query stage (every WGMMA reading it has completed)
                     cute.arch.sync_warp()
                     if lane == 0:
                         ptx.mbar_arrive(qempty + 8 * qst)
-                    qst = qst + 1
-                    if qst == QS:
-                        qst = Int32(0)
-                        qph = qph ^ 1
+                    qst, qph = self.advance(qst, qph, QS)
                     # columns of these rows outside the computed tiles: -inf
                     c0 = cutlass.min(tile0 * TILE, S)
                     c1 = cutlass.min(tile1 * TILE, S)
@@ -393,16 +385,8 @@ def compile_prefill(has_qscale: bool, arch: str, extra: str = "", operand: str =
 
 
 def compile_check(dump_dir=None, arch: str = "sm_90a") -> dict:
-    import os
-    import tempfile
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        for name, hq, operand in (("mxfp4-e4m3", True, "e4m3"), ("fp8-e4m3", False, "e4m3"), ("fp8-bf16", False, "bf16")):
-            fn = compile_prefill(hq, arch, f"--keep-ptx --dump-dir {d}", operand)
-            ptx_ = fn.__ptx__
-            if ptx_ is None or not ptx_.lstrip().startswith(("//", ".version")):
-                raise RuntimeError(f"no PTX text for indexer_prefill (got {str(ptx_)[:200]!r})")
-            res[name] = ptx_
-    return res
+    from ._compile import compile_variants
+    return compile_variants("indexer_prefill", {
+        name: (lambda arch, extra, hq=hq, operand=operand: compile_prefill(hq, arch, extra, operand))
+        for name, hq, operand in (("mxfp4-e4m3", True, "e4m3"), ("fp8-e4m3", False, "e4m3"), ("fp8-bf16", False, "bf16"))},
+        dump_dir, arch)

@@ -59,7 +59,7 @@ try:  # the DSL is optional at import time: the provider then reports "unavailab
     from ._quantize_ptx import chunk_absmax, finite_chunk_absmax, shfl_bfly_max, vote_any
     from .dequant_fp4 import l2_prefetch_kw
     from .sm90 import fp4
-    from .sm90.ptx import mulhi_shift
+    from .sm90.ptx import ld_global_nc_b32, mulhi_shift, st_global_v4
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -151,18 +151,6 @@ if _HAVE_DSL:
         return [Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
     @dsl_user_op
-    def _ld_b32(addr, *, loc=None, ip=None):
-        return Uint32(llvm.inline_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];",
-                                      "=r,l", has_side_effects=True, is_align_stack=False,
-                                      asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def _st_v4(addr, w, *, loc=None, ip=None):
-        llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in w],
-                        "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-    @dsl_user_op
     def _st_v2(addr, lo, hi, *, loc=None, ip=None):
         llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Uint32(lo).ir_value(loc=loc, ip=ip),
                                Uint32(hi).ir_value(loc=loc, ip=ip)],
@@ -197,11 +185,11 @@ if _HAVE_DSL:
             tt = cutlass.select_(t < n, t, Int64(0))
             slot = Int64(0)
             if cutlass.const_expr(self.slot64):
-                lo = _ld_b32(slots + tt * 8)
-                hi = _ld_b32(slots + tt * 8 + 4)
+                lo = ld_global_nc_b32(slots + tt * 8)
+                hi = ld_global_nc_b32(slots + tt * 8 + 4)
                 slot = (Int64(hi) << 32) | Int64(lo)
             else:
-                slot = Int64(Int32(_ld_b32(slots + tt * 4)))
+                slot = Int64(Int32(ld_global_nc_b32(slots + tt * 4)))
             src = kv + tt * 1024 + Int64(lane) * 32
             wa = _ld_v4(src)
             wb = _ld_v4(src + 16)
@@ -230,11 +218,11 @@ if _HAVE_DSL:
                     base = cache + Int64(page) * (Int64(bs) * TOKEN_B)
                     data = base + Int64(off) * DATA_B
                     if lane < 28:                                      # 448 contiguous E4M3 bytes
-                        _st_v4(data + Int64(lane) * 16, q)
+                        st_global_v4(data + Int64(lane) * 16, *q)
                     else:                                              # rope dims: bf16 copy
                         r0 = data + NOPE + Int64(lane - 28) * 32
-                        _st_v4(r0, wa)
-                        _st_v4(r0 + 16, wb)
+                        st_global_v4(r0, *wa)
+                        st_global_v4(r0 + 16, *wb)
                     # the 7 scale bytes (lanes 0, 4, .., 24) + pad 0 -> one 8-byte word from lane 0
                     lo_w = Uint32(0)
                     hi_w = Uint32(0)
@@ -250,11 +238,11 @@ if _HAVE_DSL:
                     dst = cache + Int64(s32) * 1024 + Int64(lane) * 32
                     if lane < 28:                                      # fake-quant: e4m3(x / s) * s, exact in bf16
                         rw = _e4m3_to_bf16_words(q, fp4.bits_to_f32(sb << 23))
-                        _st_v4(dst, rw[:4])
-                        _st_v4(dst + 16, rw[4:])
+                        st_global_v4(dst, *rw[:4])
+                        st_global_v4(dst + 16, *rw[4:])
                     else:
-                        _st_v4(dst, wa)
-                        _st_v4(dst + 16, wb)
+                        st_global_v4(dst, *wa)
+                        st_global_v4(dst + 16, *wb)
 
     class KvGatherKernel:
         """``__call__(cache, bt, lens, idx, req, swa_cache, swa_bt, swa_lens, swa_idx, out, bs, nb,
@@ -300,6 +288,24 @@ if _HAVE_DSL:
                         swa_bs, swa_nb, W, total).launch(
                 grid=[cute.ceil_div(total, per_cta), 1, 1], block=[self.cfg.threads, 1, 1], stream=stream)
 
+        @cute.jit
+        def entry_page(self, mIdx: cute.Tensor, mLens: cute.Tensor, mBt: cute.Tensor, t: Int64, c: Int32, c0,
+                       req: Int32, b_s: Int32):
+            """Entry ``c - c0`` of list row ``t`` of request ``req`` in one cache: ``(l, page)``, its
+            position ``l = mIdx[t, c - c0]`` and the page holding it, ``page = -1`` (a zero row) where
+            ``req`` is outside the block table's rows, ``l`` outside ``[0, mLens[req])`` or ``l // b_s``
+            past the table's columns."""
+            l = Int32(-1)
+            page = Int32(-1)
+            if (req >= 0) & (req < mBt.shape[0]):
+                l = mIdx[t, c - c0]
+                ln = mLens[req]
+                if (l >= 0) & (l < ln):
+                    pi = l // b_s
+                    if pi < mBt.shape[1]:
+                        page = mBt[req, pi]
+            return l, page
+
         @cute.kernel
         def kernel(self, g16: cute.Tensor, g8: cute.Tensor, mBt: cute.Tensor, mLens: cute.Tensor, mIdx: cute.Tensor,
                    mReq: Optional[cute.Tensor], s16: cute.Tensor, s8: cute.Tensor, mSwaBt: Optional[cute.Tensor],
@@ -329,42 +335,19 @@ if _HAVE_DSL:
                 if cutlass.const_expr(self.has_req):
                     req = mReq[t]
                 l = Int32(-1)
-                rows = mBt.shape[0]
-                cols = mBt.shape[1]
                 b_s = bs
                 n_b = nb
-                ln = Int32(0)
                 page = Int32(-1)
                 if cutlass.const_expr(self.has_swa):
                     if c < W:
                         sw = Int32(1)
-                        rows = mSwaBt.shape[0]
-                        cols = mSwaBt.shape[1]
                         b_s = swa_bs
                         n_b = swa_nb
-                        if (req >= 0) & (req < rows):
-                            l = mSwaIdx[t, c]
-                            ln = mSwaLens[req]
-                            if (l >= 0) & (l < ln):
-                                pi = l // b_s
-                                if pi < cols:
-                                    page = mSwaBt[req, pi]
+                        l, page = self.entry_page(mSwaIdx, mSwaLens, mSwaBt, t, c, 0, req, b_s)
                     else:
-                        if (req >= 0) & (req < rows):
-                            l = mIdx[t, c - W]
-                            ln = mLens[req]
-                            if (l >= 0) & (l < ln):
-                                pi = l // b_s
-                                if pi < cols:
-                                    page = mBt[req, pi]
+                        l, page = self.entry_page(mIdx, mLens, mBt, t, c, W, req, b_s)
                 else:
-                    if (req >= 0) & (req < rows):
-                        l = mIdx[t, c]
-                        ln = mLens[req]
-                        if (l >= 0) & (l < ln):
-                            pi = l // b_s
-                            if pi < cols:
-                                page = mBt[req, pi]
+                    l, page = self.entry_page(mIdx, mLens, mBt, t, c, 0, req, b_s)
                 if (page >= 0) & (page < n_b):
                     off = Int64(l - (l // b_s) * b_s)
                     if cutlass.const_expr(fp8):
@@ -478,15 +461,26 @@ def _compile_append(fmt: str, slot64: bool, arch: str, extra: str = "", config: 
     return cute.compile(kern, z, z, z, z, z, i, z, i, i, make_fake_stream(), options=compile_options(arch, extra))
 
 
+def _fake_words(sym: str, rank: int):
+    """Uint32 words of a contiguous tensor of ``rank`` dims (1: flat); ``__call__`` reads only its size and base."""
+    if rank == 1:
+        return _fake_flat(sym)
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    return make_fake_compact_tensor(Uint32, tuple(cute.sym_int32(symbol=f"{sym}{i}") for i in range(rank)),
+                                    stride_order=tuple(range(rank - 1, -1, -1)), assumed_align=16)
+
+
 def _compile_gather(fmt: str, has_req: bool, has_swa: bool, arch: str, extra: str = "",
-                    config: KvGatherConfig | None = None):
+                    config: KvGatherConfig | None = None, ranks: tuple = (1, 1, 1)):
+    """``ranks``: of the word views of the cache, the SWA cache and the output (their own shapes: one view
+    op each on the host instead of a flat re-shape, the kernel sees the same flat words)."""
     from cutlass.cute.runtime import make_fake_stream
     kern = KvGatherKernel(fmt, has_req, has_swa, config or VARIANT.get("gather", DEFAULT_GATHER))
-    swa = (_fake_flat("Ws"), _fake_2d(Int32, "Rs", "Cs"), _fake_1d(Int32, "Rs2"), _fake_2d(Int32, "T2", "W")) \
-        if has_swa else (None, None, None, None)
-    return cute.compile(kern, _fake_flat("Wc"), _fake_2d(Int32, "R", "C"), _fake_1d(Int32, "R1"),
+    swa = (_fake_words("Ws", ranks[1]), _fake_2d(Int32, "Rs", "Cs"), _fake_1d(Int32, "Rs2"),
+           _fake_2d(Int32, "T2", "W")) if has_swa else (None, None, None, None)
+    return cute.compile(kern, _fake_words("Wc", ranks[0]), _fake_2d(Int32, "R", "C"), _fake_1d(Int32, "R1"),
                         _fake_2d(Int32, "T", "K"), _fake_1d(Int32, "T1") if has_req else None, *swa,
-                        _fake_flat("O"), Int32(2), Int32(1), Int32(2), Int32(1), make_fake_stream(),
+                        _fake_words("O", ranks[2]), Int32(2), Int32(1), Int32(2), Int32(1), make_fake_stream(),
                         options=compile_options(arch, extra))
 
 
@@ -497,6 +491,8 @@ CHECK_VARIANTS = {
     **{f"gather-{f}-{'req' if r else 'noreq'}-{'swa' if w else 'noswa'}":
        (lambda a, e, f=f, r=r, w=w: _compile_gather(f, r, w, a, e))
        for f in ("fp8_ds_mla", "bf16") for r in (False, True) for w in (False, True)},
+    # the word views in the tensors' own shapes (what the TVM-FFI path launches: DslKvGather.run, _words)
+    "gather-fp8_ds_mla-noreq-swa-nd": lambda a, e: _compile_gather("fp8_ds_mla", False, True, a, e, ranks=(3, 3, 3)),
 }
 
 
@@ -510,6 +506,17 @@ def _u32(t, align: int = 16):
     import torch
     from ._compile import dl
     return dl(t.reshape(-1).view(torch.uint8).view(torch.int32), align, Uint32)
+
+
+def _words(t):
+    """``(kernel argument, rank)``: a contiguous tensor as Uint32 words in its own shape (TVM-FFI path, last dim
+    a whole number of words: one dtype view), else flat (:func:`_u32`)."""
+    import torch
+
+    from ._compile import fast_call
+    if fast_call() and t.dim() >= 1 and t.is_contiguous() and t.shape[-1] * t.element_size() % 4 == 0:
+        return (t if t.dtype == torch.uint32 else t.view(torch.uint32)), t.dim()
+    return _u32(t), 1
 
 
 #: why these providers come before cuda (the registry takes the first that supports a problem)
@@ -530,12 +537,22 @@ def _fmt_ok(problem, op: str) -> Support:
     return Support.yes("sm_90a; " + MEASURED[op])
 
 
-class DslKvCacheAppend(DslProvider):
-    describe = ("CuTe DSL KvAppendKernel: warp per token, slot + row in one round trip, packed-bf16 amax, "
-                "cvt e4m3x2, host page magic, 16 B stores")
+class _KvDsl(DslProvider):
+    #: ``(VARIANT key, default config)``: the one frozen config ``run`` launches at every size
+    cfg: tuple = ()
 
     def supports_problem(self, problem):
-        return _fmt_ok(problem, "kv_cache_append")
+        return _fmt_ok(problem, self.op.name)
+
+    def config(self, problem, target=None):
+        """The frozen config ``run`` launches (:data:`VARIANT` override, else the default)."""
+        return VARIANT.get(*self.cfg)
+
+
+class DslKvCacheAppend(_KvDsl):
+    cfg = ("append", DEFAULT_APPEND)
+    describe = ("CuTe DSL KvAppendKernel: warp per token, slot + row in one round trip, packed-bf16 amax, "
+                "cvt e4m3x2, host page magic, 16 B stores")
 
     def run(self, problem, *, cache, kv, slot_mapping):
         import torch
@@ -549,7 +566,7 @@ class DslKvCacheAppend(DslProvider):
         bs = cache.shape[1] // TOKEN_B if (fmt == "fp8_ds_mla" and cache.dim() == 2) else cache.shape[1]
         arch = Target.of(kv.device).arch
         s64 = slot_mapping.dtype == torch.int64
-        cfg = VARIANT.get("append", DEFAULT_APPEND)
+        cfg = self.config(problem)
         fn = compile_cached(("kv_cache_append", fmt, s64, cfg, arch), lambda: _compile_append(fmt, s64, arch, config=cfg))
         dm, dsh = slot_magic(bs)
         launch_on(kv.device, fn, i64(kv.data_ptr()), i64(slot_mapping.data_ptr()), i64(cache.data_ptr()), i64(n),
@@ -564,12 +581,10 @@ def _table(bt, lens, dev):
     return bt, lens
 
 
-class DslKvGather(DslProvider):
+class DslKvGather(_KvDsl):
+    cfg = ("gather", DEFAULT_GATHER)
     describe = ("CuTe DSL KvGatherKernel: lanes resolve rows (index, lens, block_table) in parallel, 16 B row loads, "
                 "smem-staged exact E4M3 -> BF16, 512 B-contiguous warp stores")
-
-    def supports_problem(self, problem):
-        return _fmt_ok(problem, "kv_gather")
 
     def run(self, problem, *, cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table, swa_indices,
             swa_lens):
@@ -586,9 +601,13 @@ class DslKvGather(DslProvider):
         fmt = problem["fmt"]
         arch = Target.of(indices.device).arch
         has_req, has_swa = req_idx is not None, swa_indices is not None
-        cfg = VARIANT.get("gather", DEFAULT_GATHER)
-        fn = compile_cached(("kv_gather", fmt, has_req, has_swa, cfg, arch),
-                            lambda: _compile_gather(fmt, has_req, has_swa, arch, config=cfg))
+        cfg = self.config(problem)
+        cw, rc = _words(cache)
+        sw, rs = _words(swa_cache) if has_swa else (None, 1)
+        ow, ro = _words(out)
+        ranks = (rc, rs, ro)
+        fn = compile_cached(("kv_gather", fmt, has_req, has_swa, cfg, arch) + ((ranks,) if ranks != (1, 1, 1) else ()),
+                            lambda: _compile_gather(fmt, has_req, has_swa, arch, config=cfg, ranks=ranks))
 
         def bsz(c):
             return c.shape[1] // TOKEN_B if (fmt == "fp8_ds_mla" and c.dim() == 2) else c.shape[1]
@@ -596,12 +615,12 @@ class DslKvGather(DslProvider):
         bt, ln = _table(block_table, lens, dev)
         if has_swa:
             sbt, sln = _table(swa_block_table, swa_lens, dev)
-            swa = (_u32(swa_cache), dl(sbt, 4), dl(sln, 4), dl(swa_indices, 4))
+            swa = (sw, dl(sbt, 4), dl(sln, 4), dl(swa_indices, 4))
             sbs, snb = bsz(swa_cache), swa_cache.shape[0]
         else:
             swa, sbs, snb = (None, None, None, None), 1, 0
-        launch_on(dev, fn, _u32(cache), dl(bt, 4), dl(ln, 4), dl(indices, 4), dl(req_idx, 4) if has_req else None,
-                  *swa, _u32(out), i32(bsz(cache)), i32(cache.shape[0]), i32(sbs), i32(snb))
+        launch_on(dev, fn, cw, dl(bt, 4), dl(ln, 4), dl(indices, 4), dl(req_idx, 4) if has_req else None,
+                  *swa, ow, i32(bsz(cache)), i32(cache.shape[0]), i32(sbs), i32(snb))
         return out
 
 

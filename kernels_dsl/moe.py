@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from dsv4.registry import Support
 
-from ._compile import DslProvider, compile_cached, dl, i32, launch_on
+from ._compile import DslProvider, compile_cached, compile_variants, dl, i32, launch_on
 from .sm90 import config as _cfg
 
 __all__ = ["DslMoEGemm1", "DslMoEGemm2", "PROVIDERS", "compile_check", "PTX_PATTERNS", "launch_gemm"]
@@ -203,17 +201,10 @@ def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a",
     from .sm90.grouped_gemm import compile_kernel
     variants = variants or tuple((s, a, f, 128) for s in (1, 2) for a in ("fp8", "bf16") for f in ("mxfp4", "nvfp4")) \
         + ((1, "fp8", "mxfp4", 64), (1, "fp8", "mxfp4", 64, False))
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        for v in variants:
-            s, a, f, tm = v[:4]
-            st = v[4] if len(v) > 4 else True
-            cfg = _cfg.GroupedGemmConfig(s, a, f, tm, 3, 256, 1, st)
-            fn = compile_kernel(cfg, arch, f"--keep-ptx --dump-dir {d}")
-            ptx = fn.__ptx__
-            if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
-                raise RuntimeError(f"no PTX text for moe grouped gemm {cfg} (got {str(ptx)[:200]!r})")
-            res[f"s{s}-{a}-{f}-m{tm}" + ("" if st else "-gs")] = ptx
-    return res
+    builds = {}
+    for v in variants:
+        s, a, f, tm = v[:4]
+        st = v[4] if len(v) > 4 else True
+        cfg = _cfg.GroupedGemmConfig(s, a, f, tm, 3, 256, 1, st)
+        builds[f"s{s}-{a}-{f}-m{tm}" + ("" if st else "-gs")] = functools.partial(compile_kernel, cfg)
+    return compile_variants("moe grouped gemm", builds, dump_dir, arch)

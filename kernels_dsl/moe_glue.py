@@ -1,15 +1,19 @@
 """CuTe DSL providers of the MoE layer glue: ``moe_route``, ``moe_permute``, ``moe_combine``.
 
 Contracts: docs/layouts/moe_route.md, moe_permute.md, moe_combine.md (``dsv4.ops.moe``). One
-kernel class per op, one launch per op, no host sync, CUDA-graph capturable; every size is a
+kernel class per op, one compiled call per op (one launch; route at decode sizes: its gate GEMM
+kernel, then the top-k kernel), no host sync, CUDA-graph capturable; every size is a
 runtime value (``cute.sym_int``), so one compile serves all token counts.
 
-* :class:`RouteKernel` (``moe_route``), after the gate GEMM ``logits = x_fp32 @ Wg_fp32^T`` on
-  cuBLAS (:func:`gate_logits`: bf16 inputs -> one tensor-core GEMM with fp32 output, the
-  reference's math (bf16 x bf16 products are exact in fp32) in another summation order, ~1e-7
-  relative; fp32 weights -> the reference's own fp32 GEMM, bit-exact route): one warp per token.
-  (A CuTe DSL decode GEMV -- one warp per expert row, x staged in shared memory -- measured 10.7
-  us vs cuBLAS 5.5 us at T=1, D=4096, bf16, H200 2026-12-01, and was removed.) Lane ``l`` holds the
+* :class:`RouteKernel` (``moe_route``): the gate GEMM ``logits = x_fp32 @ Wg_fp32^T``, then one
+  warp per token. Where measured not slower on the device (:func:`gate_fused`: fp32 gate weights,
+  ``8 <= T <= GATE_MAX_T``; any decode size with ``set_gate_fused(True)``) the gate GEMM runs inside
+  the same compiled call (one host call, the eager path's cost, issue 17): ``gate_kernel`` writes
+  fp32 partial logits per ``GATE_KC``-wide K chunk (fp32 products of the exactly widened inputs added
+  in k order, SIMT register tiles; the top-k kernel adds the chunks in order: deterministic, the
+  reference's math in another summation order, ~1e-7 relative). Otherwise the gate GEMM on cuBLAS first (:func:`gate_logits`:
+  bf16 inputs -> one tensor-core GEMM with fp32 output, the reference's math in another summation
+  order; fp32 weights -> the reference's own fp32 GEMM, bit-exact route). Lane ``l`` holds the
   scores of experts ``32 j + l`` in registers: ``s = sqrt(softplus(logit))`` with torch's
   softplus (``x > 20 ? x : log1p(exp(x))``, libdevice ``expf`` / ``log1pf``, ``sqrt.rn``), then
   ``topk`` rounds of a warp arg-max over the 64-bit key ``(order-preserving bits of s + bias,
@@ -58,6 +62,8 @@ try:  # the DSL is optional at import time: the providers then report "unavailab
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
     from cutlass.memory import SmemAllocator
+
+    from .sm90.fp4 import bits_to_f32, f32_to_bits
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -77,6 +83,15 @@ ROUTE_WARPS = 4
 #: route: largest expert count (32 lanes x 32 registers) and top-k (one slot per lane)
 ROUTE_MAX_E = 1024
 ROUTE_MAX_K = 32
+#: route, fused gate GEMM (decode sizes, :func:`gate_fused`): largest token count (x rows staged in shared
+#: memory), K chunk per CTA (``S = ceil(D / GATE_KC)`` partial logits), experts per CTA, threads per CTA
+GATE_MAX_T = 64
+#: largest hidden size the fused gate serves (``S = D / GATE_KC`` partial logits: at D = 7168, E = 384 the
+#: split-K partial sums made it 3x slower than cuBLAS on the device, job eagerB10-02)
+GATE_MAX_D = 4096
+GATE_KC = 256
+GATE_EPC = 32
+GATE_THREADS = 128
 #: permute: threads per CTA (8 warps) and the largest assignment chunk of one CTA
 PERMUTE_THREADS = 256
 PERMUTE_CHUNK = 2048
@@ -105,16 +120,6 @@ if _HAVE_DSL:
         return ty(v).ir_value(loc=loc, ip=ip)
 
     @dsl_user_op
-    def _f32_bits(x, *, loc=None, ip=None):
-        """fp32 -> its 32 bits (Uint32)."""
-        return Uint32(llvm.bitcast(T.i32(), _ir(x, Float32, loc, ip), loc=loc, ip=ip))
-
-    @dsl_user_op
-    def _bits_f32(u, *, loc=None, ip=None):
-        """32 bits -> fp32."""
-        return Float32(llvm.bitcast(T.f32(), _ir(u, Uint32, loc, ip), loc=loc, ip=ip))
-
-    @dsl_user_op
     def _match_any(v, *, loc=None, ip=None):
         """``match.any.sync.b32``: mask of the lanes of the (full) warp holding the same value."""
         return Uint32(llvm.inline_asm(
@@ -138,11 +143,16 @@ if _HAVE_DSL:
 
     # ------------------------------------------------------------------------------ route
     class RouteKernel:
-        """DSV4 gate top-k on fp32 logits (module docstring). One warp per token.
+        """DSV4 gate top-k (module docstring): the gate GEMM's fp32 logits as ``S`` partial sums, then
+        one warp per token. With ``gate`` (decode sizes) the gate GEMM runs first, in the same call.
 
-        ``__call__(mLogits, mBias, mIds, mTid, mIdx, mW, route_scale, stream)``:
+        ``__call__(mX, mGw, mPart, mBias, mIds, mTid, mIdx, mW, route_scale, stream)``:
 
-        * ``mLogits``: Float32 ``[T, E]`` row-major (``x_fp32 @ Wg_fp32^T``);
+        * ``mX``: ``[T, D]`` hidden states, ``mGw``: ``[E, D]`` gate weight (bf16 / fp32, row-major,
+          16-byte aligned, ``D % 8 == 0``), with ``gate``; else both ``None``;
+        * ``mPart``: Float32 ``[S, T, E]`` row-major, ``S = n_part`` (compile-time): ``logit[t, e] =
+          sum_s mPart[s, t, e]`` (summed in ``s`` order); with ``gate`` the :meth:`gate_kernel` writes
+          it (``S = ceil(D / GATE_KC)``), else the caller (``S = 1``: ``x_fp32 @ Wg_fp32^T``);
         * ``mBias``: Float32 ``[E]`` selection bias or ``None``;
         * hash layers: ``mIds`` Int32/Int64 ``[T]``, ``mTid`` Int32/Int64 ``[V, K]`` row-major
           (else both ``None``);
@@ -153,18 +163,124 @@ if _HAVE_DSL:
         ``K <= E``.
         """
 
-        def __init__(self, topk: int, n_per_lane: int, hash_layer: bool, has_bias: bool):
+        def __init__(self, topk: int, n_per_lane: int, hash_layer: bool, has_bias: bool, gate=None, n_part: int = 1):
             if not 1 <= topk <= ROUTE_MAX_K:
                 raise ValueError(f"topk must be in [1, {ROUTE_MAX_K}], got {topk}")
             self.topk, self.npl, self.hash, self.has_bias = topk, n_per_lane, hash_layer, has_bias
+            #: None, or the (x, gate weight) DSL element types of the fused gate GEMM
+            self.gate = gate
+            #: S, the partial sums per logit (compile-time: their loads are issued together)
+            self.n_part = n_part
 
         @cute.jit
-        def __call__(self, mLogits: cute.Tensor, mBias: Optional[cute.Tensor], mIds: Optional[cute.Tensor],
-                     mTid: Optional[cute.Tensor], mIdx: cute.Tensor, mW: cute.Tensor, route_scale: Float32,
-                     stream: cuda.CUstream):
-            ntok = mLogits.shape[0]
-            self.kernel(mLogits, mBias, mIds, mTid, mIdx, mW, route_scale).launch(
+        def __call__(self, mX: Optional[cute.Tensor], mGw: Optional[cute.Tensor], mPart: cute.Tensor,
+                     mBias: Optional[cute.Tensor], mIds: Optional[cute.Tensor], mTid: Optional[cute.Tensor],
+                     mIdx: cute.Tensor, mW: cute.Tensor, route_scale: Float32, stream: cuda.CUstream):
+            ntok = mPart.shape[1]
+            if cutlass.const_expr(self.gate is not None):
+                self.gate_kernel(mX, mGw, mPart).launch(
+                    grid=[cute.ceil_div(mPart.shape[2], GATE_EPC), mPart.shape[0], 1], block=[GATE_THREADS, 1, 1],
+                    stream=stream)
+            self.kernel(mPart, mBias, mIds, mTid, mIdx, mW, route_scale).launch(
                 grid=[cute.ceil_div(ntok, ROUTE_WARPS), 1, 1], block=[ROUTE_WARPS * WARP, 1, 1], stream=stream)
+
+        @cute.kernel
+        def gate_kernel(self, mX: cute.Tensor, mGw: cute.Tensor, mPart: cute.Tensor):
+            """``mPart[s, t, e] = sum over the K chunk [s * GATE_KC, (s + 1) * GATE_KC) of fp32(x[t, k]) *
+            fp32(Wg[e, k])``, added in k order from 0.0 (deterministic). CTA ``(b, s)``: experts
+            ``[b * GATE_EPC, (b + 1) * GATE_EPC)`` x all ``T <= GATE_MAX_T`` tokens. (1) the chunk's x rows
+            and weight rows into shared memory as fp32 (16-byte loads, all in flight, converted once;
+            x rows padded by 16 bytes: conflict-free); (2) SIMT register tiles: thread ``(g, q)`` computes
+            tokens ``q + 16 i`` x experts ``4 g + j`` (i, j < 4): per 4 columns 8 16-byte shared loads
+            (the weight rows are the same across a half warp: broadcast) for 64 FMAs."""
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, s, _ = cute.arch.block_idx()
+            ntok, D = mX.shape
+            n_exp = mGw.shape[0]
+            xdt, wdt = self.gate
+            KC, XS = GATE_KC, GATE_KC + 4                          # chunk columns, x row stride (fp32)
+            e0 = bx * GATE_EPC
+            k0 = s * KC
+            nk = cutlass.min(KC, D - k0)                            # this chunk's columns (a multiple of 8)
+            smem = SmemAllocator()
+            sX = smem.allocate_tensor(Float32, cute.make_layout(GATE_MAX_T * XS), byte_alignment=16)
+            sW = smem.allocate_tensor(Float32, cute.make_layout(GATE_EPC * KC), byte_alignment=16)
+            st4 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+            # (1) staging: 8-element vectors (rows past T / E, columns past D: not loaded, never used)
+            dv8 = D // 8
+            for src, dst, dt, rows, row0, nrow, stride in ((mX, sX, xdt, ntok, 0, GATE_MAX_T, XS),
+                                                           (mGw, sW, wdt, n_exp, e0, GATE_EPC, KC)):
+                nb = min(128, dt.width * 8)
+                ld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dt, num_bits_per_copy=nb, invariant=True)
+                g8 = cute.zipped_divide(cute.make_tensor(src.iterator, cute.make_layout(Int64(rows) * Int64(D))), (8,))
+                dst4 = cute.zipped_divide(dst, (4,))
+                per_thread = nrow * (KC // 8) // GATE_THREADS
+                for b0 in cutlass.range_constexpr(0, per_thread, 8):         # batches of 8 loads in flight
+                    regs = []
+                    for u in cutlass.range_constexpr(8):
+                        q = (b0 + u) * GATE_THREADS + tidx
+                        r = q // (KC // 8)
+                        c = q - r * (KC // 8)
+                        rv = cute.make_rmem_tensor((8,), dt)
+                        if row0 + r < rows:
+                            if c * 8 < nk:
+                                cute.copy(ld, cute.logical_divide(g8[(None, Int64(row0 + r) * Int64(dv8) + Int64(s * (KC // 8) + c))],
+                                                                  (nb // dt.width,)),
+                                          cute.logical_divide(rv, (nb // dt.width,)))
+                        regs.append((rv, r, c))
+                    for rv, r, c in regs:
+                        if row0 + r < rows:
+                            if c * 8 < nk:
+                                f = cute.make_rmem_tensor((8,), Float32)
+                                f.store(rv.load().to(Float32))
+                                base = (r * stride + c * 8) // 4
+                                f4 = cute.zipped_divide(f, (4,))
+                                cute.copy(st4, f4[(None, 0)], dst4[(None, base)])
+                                cute.copy(st4, f4[(None, 1)], dst4[(None, base + 1)])
+            cute.arch.sync_threads()
+            # (2) register tiles over the chunk's columns, 4 at a time
+            q = tidx % 16
+            g = tidx // 16
+            ld4 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+            sX4 = cute.zipped_divide(sX, (4,))
+            sW4 = cute.zipped_divide(sW, (4,))
+            rAcc = cute.make_rmem_tensor((16,), Float32)
+            rAcc.fill(0.0)
+            n_ig = (ntok + 15) // 16                                # token row groups that hold tokens (uniform)
+            for k in cutlass.range(0, nk, 4, unroll=4):
+                rx = []
+                rw = []
+                for i in cutlass.range_constexpr(4):
+                    vx = cute.make_rmem_tensor((4,), Float32)
+                    if i < n_ig:
+                        cute.copy(ld4, sX4[(None, ((q + 16 * i) * XS + k) // 4)], vx)
+                    rx.append(vx)
+                for j in cutlass.range_constexpr(4):
+                    vw = cute.make_rmem_tensor((4,), Float32)
+                    cute.copy(ld4, sW4[(None, ((4 * g + j) * KC + k) // 4)], vw)
+                    rw.append(vw)
+                for i in cutlass.range_constexpr(4):
+                    if i < n_ig:                                    # (row groups past T: no loads, no FMAs)
+                        for j in cutlass.range_constexpr(4):
+                            a = rAcc[4 * i + j]
+                            for c in cutlass.range_constexpr(4):
+                                a = a + rx[i][c] * rw[j][c]
+                            rAcc[4 * i + j] = a
+            for i in cutlass.range_constexpr(4):
+                t = q + 16 * i
+                if t < ntok:
+                    for j in cutlass.range_constexpr(4):
+                        e = e0 + 4 * g + j
+                        if e < n_exp:
+                            mPart[s, t, e] = rAcc[4 * i + j]
+
+        @cute.jit
+        def _logit(self, mPart: cute.Tensor, t: Int32, c: Int32) -> Float32:
+            """``sum_s mPart[s, t, c]`` in ``s`` order."""
+            v = mPart[0, t, c]
+            for s in cutlass.range_constexpr(1, self.n_part):
+                v = v + mPart[s, t, c]
+            return v
 
         @cute.jit
         def _score(self, logit: Float32) -> Float32:
@@ -174,13 +290,13 @@ if _HAVE_DSL:
             return cute.math.sqrt(sp)
 
         @cute.kernel
-        def kernel(self, mLogits: cute.Tensor, mBias: Optional[cute.Tensor], mIds: Optional[cute.Tensor],
+        def kernel(self, mPart: cute.Tensor, mBias: Optional[cute.Tensor], mIds: Optional[cute.Tensor],
                    mTid: Optional[cute.Tensor], mIdx: cute.Tensor, mW: cute.Tensor, route_scale: Float32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             lane = tidx % WARP
             t = bidx * ROUTE_WARPS + tidx // WARP
-            ntok, n_exp = mLogits.shape
+            _, ntok, n_exp = mPart.shape
             if t < ntok:                       # warp-uniform
                 my_e = Int32(-1)
                 my_s = Float32(0.0)
@@ -194,23 +310,31 @@ if _HAVE_DSL:
                             e64 = Int64(mTid[tok, lane])
                             if e64 >= Int64(0) and e64 < Int64(n_exp):
                                 my_e = Int32(e64)
-                                my_s = self._score(mLogits[t, my_e])
+                                my_s = self._score(self._logit(mPart, t, my_e))
                     for r in cutlass.range_constexpr(self.topk):   # slot order
                         acc = acc + cute.arch.shuffle_sync(my_s, offset=r)
                 else:
                     rS = cute.make_rmem_tensor((self.npl,), Float32)
                     rK = cute.make_rmem_tensor((self.npl,), Uint64)
+                    # the logits of this lane's experts 32 j + lane: the S partials summed in order (the loads
+                    # of one partial for all j issued together; an expert past E reads column E - 1, unused)
+                    rL = cute.make_rmem_tensor((self.npl,), Float32)
+                    for j in cutlass.range_constexpr(self.npl):
+                        rL[j] = mPart[0, t, cutlass.min(j * WARP + lane, n_exp - 1)]
+                    for p in cutlass.range_constexpr(1, self.n_part):
+                        for j in cutlass.range_constexpr(self.npl):
+                            rL[j] = rL[j] + mPart[p, t, cutlass.min(j * WARP + lane, n_exp - 1)]
                     for j in cutlass.range_constexpr(self.npl):
                         c = j * WARP + lane
                         rS[j] = Float32(0.0)
                         rK[j] = Uint64(0)                 # 0 = not selectable
                         if c < n_exp:
-                            s = self._score(mLogits[t, c])
+                            s = self._score(rL[j])
                             rS[j] = s
                             sel = s
                             if cutlass.const_expr(self.has_bias):
                                 sel = s + mBias[c]
-                            b = _f32_bits(sel)
+                            b = f32_to_bits(sel)
                             # order-preserving map of fp32 bits to an unsigned key (NaN above +inf)
                             u = b ^ Uint32(cutlass.select_(Int32(b) < Int32(0), Uint32(0xFFFFFFFF), Uint32(0x80000000)))
                             rK[j] = (Uint64(u) << Uint64(32)) | Uint64(Uint32(0xFFFFFFFF) - Uint32(c))
@@ -248,9 +372,10 @@ if _HAVE_DSL:
         ``__call__(mX, mIdx, mW, mA, mAs, mRowStart, mRowCount, mRouteW, mPos, n_exp, max_m, tpb, n_blk, stream)``:
 
         * ``mX``: ``[T, D]`` bf16 / fp16 / fp32 row-major, 16-byte aligned, ``D % 128 == 0``;
-        * ``mIdx``: Int32/Int64 ``[T * k]`` flat expert ids (16-byte aligned); ``mW``: Float32
-          ``[T * k]`` routing weights;
-        * ``mA``: fp8: Int32 view ``[R, D / 4]`` of the E4M3 rows; bf16: BFloat16 ``[R, D]``;
+        * ``mIdx``: Int32/Int64 ``[T, k]`` expert ids, row-major (16-byte aligned); ``mW``: Float32
+          ``[T, k]`` routing weights, row-major (both read flat, as ``[T * k]``: the op's tensors as
+          they are, no view on the host);
+        * ``mA``: fp8: Float8E4M3FN ``[R, D]`` (read as 32-bit words); bf16: BFloat16 ``[R, D]``;
           ``mAs``: Float32 ``[R, D / 128]`` (fp8) or ``None``;
         * ``mRowStart``, ``mRowCount``: Int32 ``[E]``; ``mRouteW``: Float32 ``[R]``; ``mPos``: Int64 ``[T * k]``;
         * ``n_exp`` (E), ``max_m`` (masked), ``tpb`` (tokens per CTA), ``n_blk = ceil(T / tpb)``: Int32.
@@ -275,7 +400,15 @@ if _HAVE_DSL:
                      mAs: Optional[cute.Tensor], mRowStart: cute.Tensor, mRowCount: cute.Tensor,
                      mRouteW: cute.Tensor, mPos: cute.Tensor, n_exp: Int32, max_m: Int32, tpb: Int32,
                      n_blk: Int32, stream: cuda.CUstream):
-            self.kernel(mX, mIdx, mW, mA, mAs, mRowStart, mRowCount, mRouteW, mPos, n_exp, max_m, tpb).launch(
+            n = mIdx.shape[0] * mIdx.shape[1]                   # the [T, k] routing, flat
+            mIdxF = cute.make_tensor(mIdx.iterator, cute.make_layout((n,)))
+            mWF = cute.make_tensor(mW.iterator, cute.make_layout((n,)))
+            mA32 = mA
+            if cutlass.const_expr(self.act == "fp8"):          # the E4M3 rows as 32-bit words [R, D / 4]
+                d4 = mA.shape[1] // 4
+                mA32 = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=Int32),
+                                        cute.make_layout((mA.shape[0], d4), stride=(d4, 1)))
+            self.kernel(mX, mIdxF, mWF, mA32, mAs, mRowStart, mRowCount, mRouteW, mPos, n_exp, max_m, tpb).launch(
                 grid=[n_blk, 1, 1], block=[PERMUTE_THREADS, 1, 1], stream=stream)
 
         @cute.jit
@@ -489,11 +622,11 @@ if _HAVE_DSL:
                 for o in cutlass.range_constexpr(4):
                     amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=8 >> o))
                 amax = cute.arch.fmax(amax, Float32(_AMAX_FLOOR_F32))
-                sb = _f32_bits(amax * Float32(_INV448_F32))
+                sb = f32_to_bits(amax * Float32(_INV448_F32))
                 ex = (sb >> Uint32(23)) & Uint32(0xFF)
                 ex = ex + Uint32(cutlass.select_((sb & Uint32(0x7FFFFF)) != Uint32(0), Uint32(1), Uint32(0)))
-                scale = _bits_f32(ex << Uint32(23))                  # ue8m0_ceil(amax / 448), normal
-                inv = _bits_f32((Uint32(254) - ex) << Uint32(23))    # exact 1 / scale
+                scale = bits_to_f32(ex << Uint32(23))                  # ue8m0_ceil(amax / 448), normal
+                inv = bits_to_f32((Uint32(254) - ex) << Uint32(23))    # exact 1 / scale
                 rQ = cute.make_rmem_tensor((2,), Uint32)
                 for h in cutlass.range_constexpr(2):
                     v = []
@@ -586,10 +719,15 @@ def _permute_e_cap(E: int) -> int:
     return PERMUTE_THREADS * max(1, -(-E // PERMUTE_THREADS))
 
 
-def _fake_route(topk: int, hash_layer: bool, has_bias: bool, ids: str, tid: str):
+def _fake_route(topk: int, hash_layer: bool, has_bias: bool, ids: str, tid: str, gate=None, n_part: int = 1):
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
     t, e = cute.sym_int32(symbol="T"), cute.sym_int32(symbol="E")
-    logits = make_fake_compact_tensor(Float32, (t, e), stride_order=(1, 0), assumed_align=4)
+    mx = mgw = None
+    if gate is not None:
+        d = cute.sym_int32(divisibility=8, symbol="D")
+        mx = make_fake_compact_tensor(_dtype(gate[0]), (t, d), stride_order=(1, 0), assumed_align=16)
+        mgw = make_fake_compact_tensor(_dtype(gate[1]), (e, d), stride_order=(1, 0), assumed_align=16)
+    part = make_fake_compact_tensor(Float32, (n_part, t, e), stride_order=(2, 1, 0), assumed_align=4)
     bias = make_fake_compact_tensor(Float32, (e,), assumed_align=4) if has_bias else None
     mids = mtid = None
     if hash_layer:
@@ -599,12 +737,16 @@ def _fake_route(topk: int, hash_layer: bool, has_bias: bool, ids: str, tid: str)
     kk = cute.sym_int32(symbol="KO")
     idx = make_fake_compact_tensor(Int32, (t, kk), stride_order=(1, 0), assumed_align=4)
     w = make_fake_compact_tensor(Float32, (t, kk), stride_order=(1, 0), assumed_align=4)
-    return logits, bias, mids, mtid, idx, w, Float32(1.5), make_fake_stream()
+    return mx, mgw, part, bias, mids, mtid, idx, w, Float32(1.5), make_fake_stream()
 
 
-def _compile_route(topk, npl, hash_layer, has_bias, ids, tid, arch, extra=""):
-    kern = RouteKernel(topk, npl, hash_layer, has_bias)
-    return cute.compile(kern, *_fake_route(topk, hash_layer, has_bias, ids, tid), options=compile_options(arch, extra))
+def _compile_route(topk, npl, hash_layer, has_bias, ids, tid, arch, extra="", gate=None, n_part=1):
+    """``gate``: None (logits given) or the (x, gate weight) dtype names of the fused gate GEMM; ``n_part``:
+    the partial sums per logit (``ceil(D / GATE_KC)`` with ``gate``, else 1)."""
+    kern = RouteKernel(topk, npl, hash_layer, has_bias, None if gate is None else (_dtype(gate[0]), _dtype(gate[1])),
+                       n_part)
+    return cute.compile(kern, *_fake_route(topk, hash_layer, has_bias, ids, tid, gate, n_part),
+                        options=compile_options(arch, extra))
 
 
 def _fake_permute(act: str, x: str, idx: str):
@@ -614,11 +756,11 @@ def _fake_permute(act: str, x: str, idx: str):
     n = cute.sym_int32(symbol="N")
     r = cute.sym_int32(symbol="R")
     mx = make_fake_compact_tensor(_dtype(x), (t, d), stride_order=(1, 0), assumed_align=16)
-    mi = make_fake_compact_tensor(_dtype(idx), (n,), assumed_align=16)
-    mw = make_fake_compact_tensor(Float32, (n,), assumed_align=4)
+    kk = cute.sym_int32(symbol="K")
+    mi = make_fake_compact_tensor(_dtype(idx), (t, kk), stride_order=(1, 0), assumed_align=16)
+    mw = make_fake_compact_tensor(Float32, (t, kk), stride_order=(1, 0), assumed_align=4)
     if act == "fp8":
-        ma = make_fake_compact_tensor(Int32, (r, cute.sym_int32(divisibility=32, symbol="D4")), stride_order=(1, 0),
-                                      assumed_align=16)
+        ma = make_fake_compact_tensor(cutlass.Float8E4M3FN, (r, d), stride_order=(1, 0), assumed_align=16)
         mas = make_fake_compact_tensor(Float32, (r, cute.sym_int32(symbol="NB")), stride_order=(1, 0), assumed_align=4)
     else:
         ma = make_fake_compact_tensor(BFloat16, (r, d), stride_order=(1, 0), assumed_align=16)
@@ -654,6 +796,10 @@ CHECK_VARIANTS = {
     "route-topk6-e256-bias": lambda a, x: _compile_route(6, 8, False, True, "int32", "int32", a, x),
     "route-topk6-e384-nobias": lambda a, x: _compile_route(6, 12, False, False, "int32", "int32", a, x),
     "route-topk6-hash-int64": lambda a, x: _compile_route(6, 8, True, False, "int64", "int64", a, x),
+    "route-gate-bf16-fp32-topk6-e256-bias": lambda a, x: _compile_route(6, 8, False, True, "int32", "int32", a, x,
+                                                                         gate=("bfloat16", "float32"), n_part=16),
+    "route-gate-bf16-bf16-topk6-hash-int32": lambda a, x: _compile_route(6, 1, True, False, "int32", "int32", a, x,
+                                                                          gate=("bfloat16", "bfloat16"), n_part=2),
     "permute-fp8-contiguous-bf16-int32": lambda a, x: _compile_permute("fp8", "contiguous", 256, "bfloat16", "int32", a, x),
     "permute-fp8-masked-fp32-int64": lambda a, x: _compile_permute("fp8", "masked", 512, "float32", "int64", a, x),
     "permute-bf16-contiguous-bf16-int32": lambda a, x: _compile_permute("bf16", "contiguous", 256, "bfloat16", "int32", a, x),
@@ -711,9 +857,47 @@ def gate_logits(x, gate_weight):
     return x.float() @ gate_weight.float().t()
 
 
+#: when ``moe_route`` folds its gate GEMM into its own launch (:func:`gate_fused`): None = where it is measured
+#: not slower on the device than cuBLAS + the top-k kernel (the default, :data:`GATE_MIN_T_FP32`), True = at
+#: every supported decode size (eager-heavy callers: one host call, ~18 us instead of ~40; tests), False =
+#: never. Set it through :func:`set_gate_fused`, which drops the plans recorded under the other value.
+GATE_FUSED = None
+#: the default folds the gate GEMM for fp32 gate weights from this many tokens (cuBLAS has no tensor-core
+#: path for the exact fp32 GEMM: fused 17.4-18.8 us vs cast + SGEMM + top-k 18.8-22.2 us at T = 8..64, E = 256,
+#: D = 4096; at T = 1 cuBLAS is faster, 10.0 vs 17.4 us); bf16 gate weights keep the tensor-core cuBLAS GEMM
+#: (9.5-10.9 us vs 16.7-18.3 fused), jobs eagerB10-02 / 03
+GATE_MIN_T_FP32 = 8
+
+
+def set_gate_fused(on) -> object:
+    """Set :data:`GATE_FUSED` (None / True / False, see there); returns the old value."""
+    global GATE_FUSED
+    old, GATE_FUSED = GATE_FUSED, (None if on is None else bool(on))
+    from dsv4.registry import get_op
+    get_op("moe_route").clear_cache()            # the recorded plans replay the path chosen when recorded
+    return old
+
+
+def gate_fused(x, gate_weight) -> bool:
+    """Does ``moe_route`` run the gate GEMM inside its launch (``RouteKernel.gate_kernel``)? Supported at
+    decode sizes: ``1 <= T <= GATE_MAX_T``, ``0 < D <= GATE_MAX_D``, ``D % 8 == 0``, both operands bf16 /
+    fp32, row-major and 16-byte aligned; by default (:data:`GATE_FUSED` None) only where it is measured not
+    slower on the device: fp32 gate weights, ``T >= GATE_MIN_T_FP32`` (docs/benchmarks.md, "moe_route with
+    the gate GEMM folded")."""
+    import torch
+    T, D = x.shape
+    ok = (torch.bfloat16, torch.float32)
+    if GATE_FUSED is False or (GATE_FUSED is None and (gate_weight.dtype != torch.float32 or T < GATE_MIN_T_FP32)):
+        return False
+    return (0 < T <= GATE_MAX_T and 0 < D <= GATE_MAX_D and D % 8 == 0 and x.dtype in ok
+            and gate_weight.dtype in ok and x.is_contiguous() and gate_weight.is_contiguous()
+            and x.data_ptr() % 16 == 0 and gate_weight.data_ptr() % 16 == 0)
+
+
 class DslMoERoute(_DslGlue):
-    describe = ("gate GEMM (cuBLAS: bf16 inputs -> fp32 out, else fp32) + CuTe DSL RouteKernel: one warp per "
-                "token, sqrt(softplus), bias-selected top-k arg-max, normalized weights")
+    describe = ("CuTe DSL RouteKernel: fp32 gate weights at 8 <= T <= 64 one call = the gate GEMM (fp32 FMA register "
+                "tiles, K split in 256 chunks) + the top-k kernel, else the gate GEMM on cuBLAS (bf16 inputs -> fp32 out, else fp32) "
+                "first; one warp per token: sqrt(softplus), bias-selected top-k arg-max, normalized weights")
 
     def supports(self, problem, target):
         s = self._target(target)
@@ -729,20 +913,28 @@ class DslMoERoute(_DslGlue):
         import torch
 
         from dsv4.target import Target
-        T, E = x.shape[0], gate_weight.shape[0]
-        logits = gate_logits(x, gate_weight).contiguous()
+        (T, D), E = x.shape, gate_weight.shape[0]
         idx = torch.empty((T, topk), dtype=torch.int32, device=x.device)
         w = torch.empty((T, topk), dtype=torch.float32, device=x.device)
         if T == 0:
             return idx, w
+        if gate_fused(x, gate_weight):                 # one call: gate GEMM partials, then the top-k
+            part = torch.empty((-(-D // GATE_KC), T, E), dtype=torch.float32, device=x.device)
+            gate = (str(x.dtype).replace("torch.", ""), str(gate_weight.dtype).replace("torch.", ""))
+        else:
+            part = gate_logits(x, gate_weight).contiguous().unsqueeze(0)
+            gate = None
         hash_layer = tid2eid is not None
         ids_dt = str(input_ids.dtype).replace("torch.", "") if hash_layer else "int32"
         tid_dt = str(tid2eid.dtype).replace("torch.", "") if hash_layer else "int32"
         npl = 1 if hash_layer else _route_npl(E)
         arch = Target.of(x.device).arch
-        key = ("moe_route", topk, npl, hash_layer, bias is not None, ids_dt, tid_dt, arch)
-        fn = compile_cached(key, lambda: _compile_route(topk, npl, hash_layer, bias is not None, ids_dt, tid_dt, arch))
-        args = (_dl(logits, 4), _dl(bias.contiguous(), 4) if bias is not None else None,
+        n_part = part.shape[0]
+        key = ("moe_route", topk, npl, hash_layer, bias is not None, ids_dt, tid_dt, gate, n_part, arch)
+        fn = compile_cached(key, lambda: _compile_route(topk, npl, hash_layer, bias is not None, ids_dt, tid_dt, arch,
+                                                        gate=gate, n_part=n_part))
+        args = (_dl(x, 16) if gate else None, _dl(gate_weight, 16) if gate else None, _dl(part, 4),
+                _dl(bias.contiguous(), 4) if bias is not None else None,
                 _dl(input_ids.contiguous(), 4) if hash_layer else None,
                 _dl(tid2eid.contiguous(), 4) if hash_layer else None,
                 _dl(idx, 4), _dl(w, 4), f32(route_scale))
@@ -788,8 +980,8 @@ class DslMoEPermute(_DslGlue):
         row_start = torch.empty((E,), dtype=torch.int32, device=dev)
         row_count = torch.empty((E,), dtype=torch.int32, device=dev)
         xs = _aligned(x)
-        ids = _aligned(topk_idx.reshape(-1))
-        wt = topk_w.reshape(-1).to(torch.float32).contiguous()
+        ids = _aligned(topk_idx)                     # [T, k] as they are (the kernel reads them flat)
+        wt = topk_w.to(torch.float32).contiguous()
         tgt = Target.of(dev)
         tpb = permute_tokens_per_block(T, k, tgt.sm_count)
         x_dt = str(x.dtype).replace("torch.", "")
@@ -797,7 +989,7 @@ class DslMoEPermute(_DslGlue):
         e_cap = _permute_e_cap(E)
         key = ("moe_permute", act, layout, e_cap, x_dt, idx_dt, tgt.arch)
         fn = compile_cached(key, lambda: _compile_permute(act, layout, e_cap, x_dt, idx_dt, tgt.arch))
-        a_arg = _dl(a.view(torch.int32), 16) if act == "fp8" else _dl(a, 16)
+        a_arg = _dl(a, 16, cutlass.Float8E4M3FN) if act == "fp8" else _dl(a, 16)
         args = (_dl(xs, 16), _dl(ids, 16), _dl(wt, 4), a_arg, _dl(a_s, 4) if act == "fp8" else None,
                 _dl(row_start, 4), _dl(row_count, 4), _dl(rw, 4), _dl(pos, 8),
                 i32(E), i32(max_m if layout == "masked" else 0), i32(tpb), i32(-(-T // tpb)))

@@ -61,7 +61,7 @@ try:
                                 lds_u8, redux_max, shfl_bfly_max, st_b32, st_f32, st_u8, store_staged,
                                 sts_b32, sts_b32_if, sts_u8, ue8m0_ceil_byte, umax, warp_sync, word_to_f32x2,
                                 ring_alloc, ring_init, ring_issue, ring_read, ld_tile_into,
-                                pdl_epilogue, pdl_launch_kw, pdl_prologue)
+                                kernel_prologue, pdl_epilogue, pdl_launch_kw)
     from ._quantize_ptx import e2m1x8_encode_rn as e2m1x8_encode
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
@@ -155,12 +155,7 @@ if _HAVE_DSL:
 
         @cute.kernel
         def kernel(self, x: Int64, partials: Int64, n_chunks: Int64, keep_from: Int64):
-            pdl_prologue(False)         # (the two-launch path: large tensors only)
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            lane = tidx % 32
-            warp = tidx // 32
+            tidx, lane, warp, bidx, gdim = kernel_prologue(False)  # (the two-launch path: large tensors only)
             red = SmemAllocator().allocate_tensor(Uint32, cute.make_layout(self.warps), byte_alignment=16)
             red_addr = red.iterator.toint()
             tile = 32 * self.qj
@@ -222,12 +217,7 @@ if _HAVE_DSL:
         def kernel(self, x: Int64, data: Int64, scale: Int64, gs_out: Int64, gs_src: Int64, n_src: Int32,
                    n_chunks: Int64, M: Int32, Ksf: Int32, Kt: Int32, Mpad: Int32, reverse: Int32, wsp: Int64):
             cfg = self.cfg
-            pdl_prologue(cfg.pdl_early)
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            lane = tidx % 32
-            warp = tidx // 32
+            tidx, lane, warp, bidx, gdim = kernel_prologue(cfg.pdl_early)
             alloc = SmemAllocator()
             stage = alloc.allocate_tensor(Uint32, cute.make_layout(cfg.warps * self.warp_bytes // 4), byte_alignment=16)
             red = alloc.allocate_tensor(Uint32, cute.make_layout(cfg.warps), byte_alignment=16)

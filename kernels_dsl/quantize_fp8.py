@@ -42,8 +42,8 @@ try:
                                fmul, frcp, half_to_f32, l2_evict_first, ld_nc_b32_if, ld_nc_u8_if, ld_nc_v2_if,
                                ld_nc_v4_if_any, lds_b32, lds_u8, shfl_bfly_max, st_b32, st_u8, st_v4_if,
                                store_staged, sts_b32, sts_u8, sts_v2,
-                               ue8m0_ceil_byte, vote_any, warp_sync, word_to_f32x2, pdl_epilogue, pdl_launch_kw,
-                               pdl_prologue)
+                               ue8m0_ceil_byte, vote_any, warp_sync, word_to_f32x2, kernel_prologue, pdl_epilogue,
+                               pdl_launch_kw)
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -129,12 +129,7 @@ if _HAVE_DSL:
         @cute.kernel
         def kernel(self, x: Int64, q: Int64, scale: Int64, n_chunks: Int64):
             cfg = self.cfg
-            pdl_prologue(cfg.pdl_early)
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            lane = tidx % 32
-            warp = tidx // 32
+            _, lane, warp, bidx, gdim = kernel_prologue(cfg.pdl_early)
             alloc = SmemAllocator()
             stage = alloc.allocate_tensor(Uint32, cute.make_layout(cfg.warps * self.warp_bytes // 4), byte_alignment=16)
             sd = stage.iterator.toint() + warp * self.warp_bytes
@@ -267,13 +262,8 @@ if _HAVE_DSL:
         @cute.kernel
         def kernel(self, q: Int64, scale: Int64, out: Int64, n_units: Int64):
             cfg = self.cfg
-            pdl_prologue(cfg.pdl_early)
+            _, lane, warp, bidx, gdim = kernel_prologue(cfg.pdl_early)
             E = self.E
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            lane = tidx % 32
-            warp = tidx // 32
             tile = 32 * cfg.units
             n_tiles = (n_units + (tile - 1)) // tile
             t0 = Int64(bidx) * cfg.warps + Int64(warp)

@@ -13,9 +13,8 @@ the lengths are device values, so a split may see no entries: it writes ``lse = 
 65535 (gridDim.z). More than 65535 rows (gridDim.y) run as consecutive launches of row chunks.
 Everything stays on the device and is CUDA-graph capturable.
 
-Status: passes tests/test_sparse_attention.py's GPU tests on the H200 (job lead-18, 2026-12-01; the
-fixes and numbers are in :mod:`kernels_dsl.sparse_attention_fwd`'s docstring); the registry default
-for fp8_ds_mla caches on sm_90a.
+The registry default for fp8_ds_mla caches on sm_90a (GPU tests: tests/test_sparse_attention.py; the
+kernel's constraints and pitfalls: :mod:`kernels_dsl.sparse_attention_fwd`; timings: docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -17,11 +17,9 @@ One launch, no host sync, graph-capturable.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from typing import Optional
 
-from ._compile import compile_options
+from ._compile import compile_options, compile_variants
 
 try:  # the DSL is optional at import time
     import cuda.bindings.driver as cuda
@@ -130,11 +128,4 @@ def compile_kernel(arch: str, extra: str = ""):
 
 def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[str, str]:
     """Compile the combine kernel for ``arch`` on the CPU; ``{"combine": PTX}``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        fn = compile_kernel(arch, f"--keep-ptx --dump-dir {d}")
-        ptx = fn.__ptx__
-        if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
-            raise RuntimeError(f"no PTX text for sparse_attention_combine (got {str(ptx)[:200]!r})")
-        return {"combine": ptx}
+    return compile_variants("sparse_attention_combine", {"combine": compile_kernel}, dump_dir, arch)

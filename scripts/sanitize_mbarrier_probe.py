@@ -73,6 +73,16 @@ SRC = r"""
 #define WORDS @WORDS@
 #define TILE_WORDS (32 * WORDS)
 
+// arrive on the mbarrier at bar: every thread (count = threads) or, after __syncwarp, lane 0 (count = warps)
+DSV4_DEVICE void release(u32 bar, bool every_thread, int lane) {
+  if (every_thread) {
+    mbar_arrive(bar);
+  } else {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  }
+}
+
 template <int V>
 DSV4_DEVICE void ring(u32* out, const u32* src) {
   __shared__ __align__(16) u32 tile[STAGES][TILE_WORDS];
@@ -172,12 +182,7 @@ DSV4_DEVICE void ring(u32* out, const u32* src) {
       } else {
         mbar_wait(full, ph);
         for (int i = 0; i < WORDS; ++i) acc += ld_shared_u32(base + 4 * ((tid * 7 + 32 * i + 5) % TILE_WORDS));
-        if (V == 10) {
-          mbar_arrive(empty);
-        } else {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty);
-        }
+        release(empty, V == 10, lane);
       }
       continue;
     }
@@ -194,21 +199,11 @@ DSV4_DEVICE void ring(u32* out, const u32* src) {
       mbar_wait(empty, ph ^ 1u);
       for (int i = 0; i < WORDS; ++i) st_shared_u32(base + 4 * (lane + 32 * i), (u32)(g * 1000 + lane + 32 * i));
       fence_proxy_async_smem();
-      if (V == 1) {
-        mbar_arrive(full);
-      } else {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(full);
-      }
+      release(full, V == 1, lane);
     } else {                                        // consumer warps 0..3
       mbar_wait(full, ph);
       for (int i = 0; i < WORDS; ++i) acc += ld_shared_u32(base + 4 * ((tid * 7 + 32 * i + 5) % TILE_WORDS));
-      if (V == 1) {
-        mbar_arrive(empty);
-      } else {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty);
-      }
+      release(empty, V == 1, lane);
     }
   }
   if (warp < 4) out[blockIdx.x * 128 + tid] = ((V == 5 || V == 6) && warp < 2) ? 0u : acc;
@@ -216,9 +211,7 @@ DSV4_DEVICE void ring(u32* out, const u32* src) {
 
 // no-swizzle K-major WGMMA descriptor of a 64 x 16 bf16 tile (8 x 8 core matrices: K neighbours 128 B
 // apart, 8-row groups 256 B apart: 2 KB)
-DSV4_DEVICE u64 desc64x16(u32 addr) {
-  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(256 >> 4) << 32);
-}
+DSV4_DEVICE u64 desc64x16(u32 addr) { return wgmma_desc(addr, 128, 256); }
 
 // sparse attention's three-warpgroup loop (see the module docstring, variant "wgmma")
 DSV4_DEVICE void wgmma_ring(u32* out) {

@@ -322,7 +322,7 @@ def test_kernels_compile_sm90a_wgmma_cpu():
             assert ".entry indexer_logits_kernel" in ptx
             assert "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16" % (64 * nq) in ptx
             assert "cp.async.cg.shared.global" in ptx and "fence.proxy.async" in ptx
-            assert "fma.rn.bf16x2" in ptx
+            assert "mul.rn.bf16x2" in ptx           # common.cuh e2m1x8_bf16_pairs / bf16x2_mul
             assert "e4m3.e4m3" not in ptx          # the retired FP8-WGMMA variants are gone
 
 

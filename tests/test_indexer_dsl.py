@@ -252,11 +252,37 @@ def test_gpu_dsl_paged_graph_capture(cuda_device):
 
 
 #: (fmt, WGMMA operand) of the prefill kernel: MXFP4 folded to E4M3 (validated, jobs idx-11/12), FP8
-#: widened to BF16 (the exact FP8-key variant: compiled, NOT yet run on the H200), FP8 as E4M3 (runs,
+#: widened to BF16 (the exact FP8-key variant; passes in the GPU regressions, e.g. lead9-02), FP8 as E4M3 (runs,
 #: but the FP8 WGMMA's ~14-bit accumulation reached 2.28e-3 x the row max on short rows, job idx-11)
 PREFILL_VARIANTS = [("mxfp4", "e4m3"), ("fp8", "bf16"), pytest.param("fp8", "e4m3", marks=pytest.mark.xfail(
     reason="FP8 WGMMA accumulation (K = 128, ~14 bits): 2.28e-3 x the row max on short rows (job idx-11)",
     strict=False))]
+
+
+def _prefill_case(dev, lens_, seed: int, fmt: str, operand=None, q_global=None, k_global=None):
+    """One DSL prefill run: the packed sequences ``lens_`` (causal ranges, ratio 4), quantized
+    queries / keys, the logits; ``(L, ks, ke, qd, qs, wo, kv, ksf)``."""
+    ks, ke, pos = indexer_prefill_ranges(lens_, device=dev)
+    T, S = int(ks.numel()), sum(L // 4 for L in lens_)
+    d = indexer_inputs(T, S, seed=seed, q_positions=pos.cpu(), device=dev)
+    qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True, global_scale=q_global)
+    kv, ksf = quantize_rows(d.k, fmt, k_global, True)
+    from kernels_dsl.indexer import prefill_logits_dsl
+    L = prefill_logits_dsl(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt, operand=operand, q_global=q_global,
+                           k_global=k_global)
+    return L, ks, ke, qd, qs, wo, kv, ksf
+
+
+def _assert_inf_mask(L: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor) -> None:
+    """Every row's logits are finite exactly on its range ``[ks, ke)``."""
+    cols = torch.arange(L.shape[1], device=L.device)
+    assert torch.equal(torch.isfinite(L), (cols[None] >= ks[:, None]) & (cols[None] < ke[:, None]))
+
+
+def _sampled_rows(T: int, n: int, tail: int, dev) -> torch.Tensor:
+    """``n`` random rows (seed 0) and the last ``tail`` rows of ``T``."""
+    g = torch.Generator().manual_seed(0)
+    return torch.cat([torch.randperm(T, generator=g)[:n].to(dev), torch.arange(max(0, T - tail), T, device=dev)])
 
 
 @pytest.mark.gpu
@@ -265,18 +291,9 @@ def test_gpu_dsl_prefill_contract(cuda_device, fmt, operand):
     """Prefill: 5 packed sequences (24187 queries, 6045 entries), causal ranges; sampled rows vs
     fp64 on the same quantized values; every row's -inf mask."""
     dev = cuda_device
-    lens_ = [12288, 8192, 2500, 1200, 7]
-    ks, ke, pos = indexer_prefill_ranges(lens_, device=dev)
-    T, S = int(ks.numel()), sum(L // 4 for L in lens_)
-    d = indexer_inputs(T, S, seed=7, q_positions=pos.cpu(), device=dev)
-    qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True)
-    kv, ksf = quantize_rows(d.k, fmt, None, True)
-    from kernels_dsl.indexer import prefill_logits_dsl
-    L = prefill_logits_dsl(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt, operand=operand)
-    cols = torch.arange(S, device=dev)
-    assert torch.equal(torch.isfinite(L), (cols[None] >= ks[:, None]) & (cols[None] < ke[:, None]))
-    g = torch.Generator().manual_seed(0)
-    rows = torch.cat([torch.randperm(T, generator=g)[:500].to(dev), torch.arange(T - 68, T, device=dev)])
+    L, ks, ke, qd, qs, wo, kv, ksf = _prefill_case(dev, [12288, 8192, 2500, 1200, 7], 7, fmt, operand)
+    _assert_inf_mask(L, ks, ke)
+    rows = _sampled_rows(L.shape[0], 500, 68, dev)
     ref = logits_ref(dequantize_q(qd[rows], qs[rows], fmt), wo[rows], dequantize_rows(kv, ksf, fmt), ks[rows], ke[rows],
                      dtype=torch.float64, chunk=16)
     st = _contract(L[rows], ref, ke[rows] - ks[rows])
@@ -290,14 +307,7 @@ def test_gpu_dsl_prefill_contract(cuda_device, fmt, operand):
 def test_gpu_dsl_prefill_short_rows(cuda_device, fmt, operand, lens_):
     """Rows with 0..80 allowed entries (the first queries of each sequence see none), T and S not
     multiples of the tiles; every row vs fp64 on the same quantized values."""
-    dev = cuda_device
-    ks, ke, pos = indexer_prefill_ranges(lens_, device=dev)
-    T, S = int(ks.numel()), sum(L // 4 for L in lens_)
-    d = indexer_inputs(T, S, seed=1, q_positions=pos.cpu(), device=dev)
-    qd, qs, wo = indexer_q_quant(d.q, d.w, fmt=fmt, hadamard=True)
-    kv, ksf = quantize_rows(d.k, fmt, None, True)
-    from kernels_dsl.indexer import prefill_logits_dsl
-    L = prefill_logits_dsl(qd, qs, wo, kv, ksf, ks, ke, fmt=fmt, operand=operand)
+    L, ks, ke, qd, qs, wo, kv, ksf = _prefill_case(cuda_device, lens_, 1, fmt, operand)
     ref = logits_ref(dequantize_q(qd, qs, fmt), wo, dequantize_rows(kv, ksf, fmt), ks, ke, dtype=torch.float64, chunk=16)
     st = _contract(L, ref, ke - ks, k=64)
     print(f"\ndsl prefill short rows {fmt}/{operand} {lens_}: {st}")
@@ -310,19 +320,11 @@ def test_gpu_dsl_prefill_nvfp4_bf16(cuda_device, lens_):
     """NVFP4 keys on the BF16-operand prefill kernel (dequant_fp4 to BF16, exact; global scales after
     the head sum): vs fp64 on the same quantized values times q_global * k_global; every row's mask."""
     dev = cuda_device
-    ks, ke, pos = indexer_prefill_ranges(lens_, device=dev)
-    T, S = int(ks.numel()), sum(L // 4 for L in lens_)
-    d = indexer_inputs(T, S, seed=5, q_positions=pos.cpu(), device=dev)
     gq = torch.tensor([0.37], device=dev)
     gk = torch.tensor([1.9], device=dev)
-    qd, qs, wo = indexer_q_quant(d.q, d.w, fmt="nvfp4", hadamard=True, global_scale=gq)
-    kv, ksf = quantize_rows(d.k, "nvfp4", gk, True)
-    from kernels_dsl.indexer import prefill_logits_dsl
-    L = prefill_logits_dsl(qd, qs, wo, kv, ksf, ks, ke, fmt="nvfp4", q_global=gq, k_global=gk)
-    cols = torch.arange(S, device=dev)
-    assert torch.equal(torch.isfinite(L), (cols[None] >= ks[:, None]) & (cols[None] < ke[:, None]))
-    g = torch.Generator().manual_seed(0)
-    rows = torch.cat([torch.randperm(T, generator=g)[:400].to(dev), torch.arange(max(0, T - 40), T, device=dev)])
+    L, ks, ke, qd, qs, wo, kv, ksf = _prefill_case(dev, lens_, 5, "nvfp4", q_global=gq, k_global=gk)
+    _assert_inf_mask(L, ks, ke)
+    rows = _sampled_rows(L.shape[0], 400, 40, dev)
     ref = logits_ref(dequantize_q(qd[rows], qs[rows], "nvfp4", gq), wo[rows], dequantize_rows(kv, ksf, "nvfp4") * gk,
                      ks[rows], ke[rows], dtype=torch.float64, chunk=16)
     st = _contract(L[rows], ref, ke[rows] - ks[rows], k=64)

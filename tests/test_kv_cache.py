@@ -802,3 +802,24 @@ def test_gpu_cuda_graph_capture(kind, cuda_device):
         torch.cuda.synchronize()
     want = ref.fake_quant_fp8_ds_mla(x)[idx.long().cpu() // 3].to(cuda_device)
     assert torch.equal(out, want)
+
+
+def test_dsl_providers_explain_their_config():
+    """The DSL kv_cache_append / kv_gather and dequant_fp4 providers name the frozen config ``run``
+    launches (``registry.last_choice(op).explain()``, ``dsv4 ops --verbose``)."""
+    import dataclasses
+
+    from dsv4.target import Target
+    pytest.importorskip("cutlass")
+    import dsv4.ops  # noqa: F401  (registers every op)
+    from kernels_dsl import dequant_fp4, kv_cache
+    t = Target.of("cpu")
+    for op, want in (("kv_cache_append", kv_cache.DEFAULT_APPEND), ("kv_gather", kv_cache.DEFAULT_GATHER),
+                     ("dequant_fp4", dequant_fp4.DEFAULT_CONFIG)):
+        o = registry.get_op(op)
+        p = o.provider("dsl")
+        if isinstance(p, registry.Support):
+            pytest.skip(f"dsl provider unavailable: {p.reason}")
+        cfg = p.config(o.example_problem(t), t)
+        assert cfg == want and dataclasses.is_dataclass(cfg) and cfg.__dataclass_params__.frozen, (op, cfg)
+

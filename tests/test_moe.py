@@ -372,7 +372,7 @@ def test_nvfp4_w4a8_hi_lo_split_exact():
 
 def test_device_lo_lut_emulation():
     """Bit-level emulation of the NVFP4 W4A8 hi / lo LUT bytes with the sign applied by XOR
-    (kernels_dsl/sm90/fp4.py ``e4m3_hilo_lut`` + ``e2m1x8_to_e4m3x8(sign_xor=True)``) and the
+    (kernels_dsl/sm90/fp4.py ``e4m3_hilo_lut`` + ``model_e2m1x8_to_e4m3x8(sign_xor=True)``) and the
     power-of-two predicate: for every positive E4M3 block scale and every block maximum up to
     10 binades above it, hi byte + lo byte == +-level * f exactly; lo == 0 exactly for power-of-two sf."""
     ml = pytest.importorskip("ml_dtypes")

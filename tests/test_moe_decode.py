@@ -52,15 +52,15 @@ def e4m3_f2(b):
     return (h | (h << 16)).astype(np.uint32)
 
 
-def bmul2(a, b):
-    """mul.rn.bf16x2 for exact products (asserted)."""
+def bf16x2_mul(a, b):
+    """common.cuh bf16x2_mul (mul.rn.bf16x2) for exact products (asserted)."""
     lo = bf16_to_f64(a & 0xFFFF) * bf16_to_f64(b & 0xFFFF)
     hi = bf16_to_f64(a >> 16) * bf16_to_f64(b >> 16)
     return (f64_to_bf16_exact(lo) | (f64_to_bf16_exact(hi) << 16)).astype(np.uint32)
 
 
 def e2m1x8_bf16_pairs(w, f2):
-    """Port of moe_decode.cuh e2m1x8_bf16_pairs: out[j] = (element j, element j + 4)."""
+    """Port of common.cuh e2m1x8_bf16_pairs: out[j] = (element j, element j + 4)."""
     w = np.asarray(w, dtype=np.uint64)
     M = np.uint64(0x81C081C0)
     w8 = w >> np.uint64(8)
@@ -68,7 +68,7 @@ def e2m1x8_bf16_pairs(w, f2):
             ((w & np.uint64(0x00F000F0)) * np.uint64(260)) & U32 & M,
             ((w8 & np.uint64(0x000F000F)) * np.uint64(4160)) & U32 & M,
             ((w8 & np.uint64(0x00F000F0)) * np.uint64(260)) & U32 & M]
-    return [bmul2(o.astype(np.uint32), f2) for o in outs]
+    return [bf16x2_mul(o.astype(np.uint32), f2) for o in outs]
 
 
 def nib_val(n):

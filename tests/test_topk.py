@@ -257,7 +257,7 @@ def _ptxas_log(mod) -> str:
 
 
 @pytest.mark.parametrize("cluster,threads,vec,res", [(1, 512, 1, 1), (2, 1024, 1, 0), (8, 1024, 0, 1), (4, 256, 1, 0),
-                                                     (4, 512, 1, 1), (8, 1024, 1, 1)])
+                                                     (4, 512, 1, 1), (8, 1024, 1, 1), (16, 512, 1, 1), (2, 1024, 1, 1)])
 def test_compile_sm90a(cluster, threads, vec, res):
     from kernels_cuda.nvrtc import load
     from kernels_cuda.topk import CAP
@@ -270,12 +270,17 @@ def test_compile_sm90a(cluster, threads, vec, res):
     assert "bar.sync" in ptx or "barrier.sync" in ptx
     if cluster > 1:
         assert "barrier.cluster.arrive" in ptx and "mapa.shared::cluster" in ptx
-        # pass B: resident tiles one 64-bit reservation per CTA at the leader and direct stores, streamed
-        # slices a 32-bit reservation per buffer and a copy; the histogram merge: vector loads of every
-        # peer's bins (2 / 4 CTAs) or the reduce-scatter's chunk loads and total stores (8 / 16)
-        assert ("atom.shared::cluster.add.u64" if res else "atom.shared::cluster.add.u32") in ptx
-        assert "st.shared::cluster.u64" in ptx
-        assert re.search(r"ld\.shared::cluster\.v[248]\.u32" if cluster < 8 else r"st\.shared::cluster\.u32", ptx)
+        assert "st.shared::cluster.u64" in ptx  # pass B: direct stores into the leader's buffers
+        if res and cluster >= 4:
+            # hierarchical merge: scalar gathers of the peers' coarse bins / buckets, slots from the merged
+            # counts (no reservation atomic, no reduce-scatter stores)
+            assert "ld.shared::cluster.u32" in ptx and "atom.shared::cluster.add" not in ptx
+        else:
+            # resident 2-CTA tiles: one 64-bit reservation per CTA; streamed slices: a 32-bit reservation per
+            # buffer and a copy; the histogram merge: vector loads of every peer's bins (2 / 4 CTAs) or the
+            # reduce-scatter's chunk loads and total stores (8 / 16)
+            assert ("atom.shared::cluster.add.u64" if res else "atom.shared::cluster.add.u32") in ptx
+            assert re.search(r"ld\.shared::cluster\.v[248]\.u32" if cluster < 8 else r"st\.shared::cluster\.u32", ptx)
     log = _ptxas_log(mod)
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert m, log
@@ -297,7 +302,9 @@ def test_default_config_is_shape_adaptive():
     assert default_config(64, 65536, 132) == TopkConfig(2, 1024, False)     # long rows, full batch: 2 passes
     assert default_config(64, 131072, 132) == TopkConfig(2, 1024, False)
     assert default_config(4, 3000, 132) == TopkConfig(1, 512, True)
-    assert default_config(4, 65536, 132) == TopkConfig(4, 1024, True)
+    assert default_config(4, 65536, 132) == TopkConfig(8, 512, True)       # 1-4 rows: 512-thread tiles
+    assert default_config(1, 32768, 132) == TopkConfig(4, 512, True)
+    assert default_config(8, 32768, 132) == TopkConfig(2, 1024, True)
     assert default_config(1000, 65536, 132) == TopkConfig(1, 512, False)   # many rows: 1 CTA each, 2 per SM
     assert fits_resident(16384, 1, 1024) and not fits_resident(16385, 1, 1024)
     assert "registers" in default_config(1, 129280, 132).explain()
@@ -487,3 +494,38 @@ def test_gpu_cuda_graph():
         torch.cuda.synchronize()
         assert_same((i, s), topk_ref(x, L, 512))
         assert_same((iu, su), ref_u(x, L, 512))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [(1, 512, True), (2, 1024, False), (16, 512, True)])
+def test_gpu_pdl_launch(cfg):
+    """Programmatic dependent launch (``pdl=True``): the kernel waits for the preceding grid before its first
+    global access, so in a CUDA graph where a plain kernel rewrites the logits before every top-k and PDL top-k
+    launches follow each other, every result is the reference's, bitwise (and on an eager stream)."""
+    from kernels_cuda.topk import TopkConfig, fits_resident, topk_cuda
+    rows, n, k = {1: (128, 8192, 512), 2: (64, 65536, 512), 16: (1, 129280, 1024)}[cfg[0]]
+    c = TopkConfig(cfg[0], cfg[1], cfg[2] and fits_resident(n, cfg[0], cfg[1]))
+    L = torch.full((rows,), n, dtype=torch.int32, device="cuda")
+    L[::2] = n - 1001
+    srcs = [_realistic(rows, n, 30 + i, kind) for i, kind in enumerate(("randn", "indexer", "ties"))]
+    x = srcs[0].clone()
+    for pdl in (True, False):                                                # eager stream (and compiled)
+        assert_same(topk_cuda(x, L, k, config=c, pdl=pdl), ref_u(x, L, k))
+        assert_same(topk_cuda(x, L, k, config=c, pdl=pdl, sorted=True), topk_ref(x, L, k))
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    outs = []
+    with torch.cuda.graph(gr):
+        for s in srcs:
+            x.copy_(s)                                   # the producer of the logits: a plain kernel
+            outs.append(topk_cuda(x, L, k, config=c, pdl=True))
+            outs.append(topk_cuda(x, L, k, config=c, pdl=True, sorted=True))
+    x.zero_()
+    for _ in range(2):
+        gr.replay()
+        torch.cuda.synchronize()
+        for i, s in enumerate(srcs):
+            assert_same(outs[2 * i], ref_u(s, L, k))
+            assert_same(outs[2 * i + 1], topk_ref(s, L, k))
+        for o in outs:
+            o[0].fill_(-7)

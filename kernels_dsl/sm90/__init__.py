@@ -10,8 +10,6 @@ gate of tests/test_compile_dsl.py, which treats this package as one DSL module).
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Optional
 
 #: regexes every compiled variant of this package's kernels must contain
@@ -20,14 +18,6 @@ PTX_PATTERNS = (r"prmt\.b32", r"cvt\.rn\.satfinite\.e4m3x2\.f32")
 
 def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[str, str]:
     """Compile this package's kernels for ``arch`` without a GPU; ``{variant: PTX text}``."""
+    from .._compile import compile_variants
     from . import fp4
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        d = dump_dir or tmp
-        os.makedirs(d, exist_ok=True)
-        fn = fp4.probe_compile(arch, f"--keep-ptx --dump-dir {d}")
-        ptx = fn.__ptx__
-        if ptx is None or not ptx.lstrip().startswith(("//", ".version")):
-            raise RuntimeError(f"no PTX text for sm90.fp4 probe (got {str(ptx)[:200]!r})")
-        res["fp4_probe"] = ptx
-    return res
+    return compile_variants("sm90.fp4 probe", {"fp4_probe": fp4.probe_compile}, dump_dir, arch)

@@ -107,11 +107,11 @@ def model_dequant_e4m3(byte: int, sf: int) -> int:
 try:  # the DSL is optional at import time
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Int32, Uint32
-    from cutlass._mlir.dialects import llvm
+    from cutlass import Uint32
     from cutlass.cutlass_dsl import dsl_user_op
 
     from .fp4 import mul_bf16x2, prmt
+    from .ptx import st_shared_v4
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -120,16 +120,6 @@ except Exception:  # noqa: BLE001
 if _HAVE_DSL:
     __all__ += ["e4m3x4_to_bf16x4", "ue8m0_bf16_multipliers", "dequant_e4m3x4", "acc_mn_layout",
                 "acc_frg_a_layout", "make_acc_mn_view", "st_shared_v4", "sw128_offset"]
-
-    @dsl_user_op
-    def st_shared_v4(addr, a, b, c, d, *, loc=None, ip=None):
-        """``st.shared.v4.b32 [addr], {a, b, c, d}`` (``addr``: 32-bit shared-window byte address,
-        16 B aligned)."""
-        llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)] +
-                        [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-                        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-                        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                        loc=loc, ip=ip)
 
     def sw128_offset(row, col16):
         """Byte offset of 16-byte chunk ``col16`` (0..7) of row ``row`` inside a 128B-swizzled

@@ -24,7 +24,8 @@ try:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
     from . import fp4
-    from .ptx import ld_global_nc_f32, ld_shared_v2, st_global_b16, st_global_b32, st_global_b64, st_global_f32
+    from .ptx import (ld_global_nc_f32, ld_shared_v2, pack_bf16x2, st_global_b16, st_global_b32, st_global_b64,
+                      st_global_f32)
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -42,14 +43,6 @@ if _HAVE_DSL:
         return Float32(llvm.inline_asm(
             T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
             "{\n.reg .b16 t;\ncvt.rn.bf16.f32 t, $1;\nmov.b32 $0, {0, t};\n}", "=f,f",
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def pack_bf16x2(lo, hi, *, loc=None, ip=None):
-        """Two fp32 -> one word of two bf16 (RNE), ``lo`` in the low half."""
-        return Uint32(llvm.inline_asm(
-            T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
             has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
     @cute.jit

@@ -106,7 +106,9 @@ def _sign_spread(y: int) -> int:
 
 def model_e2m1x8_to_e4m3x8(w: int, lut_lo: int = E4M3_LUT_LO, lut_hi: int = E4M3_LUT_HI,
                            sign_xor: bool = False) -> Tuple[int, int]:
-    """Bit model of :func:`e2m1x8_to_e4m3x8` (same instruction sequence)."""
+    """Bit model of :func:`e2m1x8_to_e4m3x8` (same instruction sequence). ``sign_xor``: the sign
+    applied by XOR instead of OR, as the grouped GEMM's NVFP4 W4A8 lo part does (its LUT bytes
+    may be negative: ``-x`` is then the E4M3 negation of the byte)."""
     idx = w & 0x77777777
     m0 = model_prmt(lut_lo, lut_hi, idx & 0xFFFF)
     m1 = model_prmt(lut_lo, lut_hi, idx >> 16)
@@ -241,12 +243,10 @@ if _HAVE_DSL:
                 Uint32(E4M3_LUT_HI) + add * Uint32(0x01010101))
 
     @dsl_user_op
-    def e2m1x8_to_e4m3x8(w, lut_lo=None, lut_hi=None, *, sign_xor: bool = False, loc=None, ip=None):
+    def e2m1x8_to_e4m3x8(w, lut_lo=None, lut_hi=None, *, loc=None, ip=None):
         """8 packed E2M1 codes (one 32-bit word, element j at bits 4j..4j+3) -> two words of
         E4M3 bytes (elements 0..3, elements 4..7). ``lut_lo``/``lut_hi`` from :func:`e4m3_lut`
-        (exponent folding); default: the plain levels (d = 0). Negative zero codes give 0x80.
-        ``sign_xor`` (trace-time): apply the code's sign by XOR instead of OR, for LUTs whose
-        bytes may be negative (:func:`e2m1x8_to_e4m3x8_xs`)."""
+        (exponent folding); default: the plain levels (d = 0). Negative zero codes give 0x80."""
         w = Uint32(w)
         lo = Uint32(E4M3_LUT_LO) if lut_lo is None else Uint32(lut_lo)
         hi = Uint32(E4M3_LUT_HI) if lut_hi is None else Uint32(lut_hi)
@@ -257,8 +257,6 @@ if _HAVE_DSL:
         y1 = prmt(w, Uint32(0), Uint32(0x3322), loc=loc, ip=ip)
         s0 = ((y0 << 4) & Uint32(0x00800080)) | (y0 & Uint32(0x80008000))
         s1 = ((y1 << 4) & Uint32(0x00800080)) | (y1 & Uint32(0x80008000))
-        if sign_xor:
-            return m0 ^ s0, m1 ^ s1
         return m0 | s0, m1 | s1
 
     @dsl_user_op
@@ -400,11 +398,6 @@ def model_e4m3_hilo_lut(f: float) -> Tuple[int, int, int, int]:
     return pack(hb[:4]), pack(hb[4:]), pack(lb[:4]), pack(lb[4:])
 
 
-def model_e2m1x8_to_e4m3x8_xs(w: int, lut_lo: int, lut_hi: int) -> Tuple[int, int]:
-    """Bit model of :func:`e2m1x8_to_e4m3x8_xs` (sign by XOR: LUT bytes may be negative)."""
-    return model_e2m1x8_to_e4m3x8(w, lut_lo, lut_hi, sign_xor=True)
-
-
 if _HAVE_DSL:
 
     @dsl_user_op
@@ -439,13 +432,6 @@ if _HAVE_DSL:
             hw.append(h2)
             lw.append(l2)
         return (hw[0] | (hw[1] << 16), hw[2] | (hw[3] << 16), lw[0] | (lw[1] << 16), lw[2] | (lw[3] << 16))
-
-    @dsl_user_op
-    def e2m1x8_to_e4m3x8_xs(w, lut_lo, lut_hi, *, loc=None, ip=None):
-        """:func:`e2m1x8_to_e4m3x8` with the code's sign applied by XOR instead of OR: for LUTs
-        whose bytes may be negative (the lo part of :func:`e4m3_hilo_lut`), ``-x`` is then the
-        E4M3 negation of the LUT byte."""
-        return e2m1x8_to_e4m3x8(w, lut_lo, lut_hi, sign_xor=True, loc=loc, ip=ip)
 
 
 # ------------------------------------------------------------------------------------------

@@ -422,7 +422,7 @@ if _HAVE_DSL:
         def _decode_items(self, j0: cutlass.Constexpr[int], j1: cutlass.Constexpr[int], slot: Int32, ds: Int32,
                           k: Int32, KB: Int32, src0: Int32, ss0: Int32, dst0: Int32, doff_a: Int32, doff_b: Int32,
                           cw: Int32, ws_t: Int64, KSF: Int32, c: Int32, rbr: cute.Tensor, scv: cute.Tensor, rbp: Int32):
-            """:meth:`_decode` item by item with :func:`kernels_dsl.sm90.transform.decode_row_chunk`."""
+            """W4A16 :meth:`_decode`: item by item with :func:`kernels_dsl.sm90.transform.decode_row_chunk`."""
             sbo = Int32(0)
             if cutlass.const_expr(self.scale_tma):
                 sbo = (k % self.q) * self.spk + self._scale_sub(c)     # byte of the thread's chunk in the box
@@ -442,8 +442,7 @@ if _HAVE_DSL:
                     hf = Int32(j // 4)
                 base = dst0 + ((ds * 2 + hf) * self.parts) * HALF_TILE_BYTES + 4096 * (j % 4)
                 if cutlass.const_expr(not (self.debug & 8)):
-                    decode_row_chunk(src, base + doff_a, base + doff_b, HALF_TILE_BYTES, sc, rbr[j], self.fp8,
-                                     self.nvfp4)
+                    decode_row_chunk(src, base + doff_a, base + doff_b, sc, self.nvfp4)
 
         def _item_loads(self, j, slot, src0, ss0, sbo, rbp, pk, sw, rbs):
             """Shared loads of decode item ``j`` (trace-time helper): packed chunk, row reference and

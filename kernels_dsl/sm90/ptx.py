@@ -1,8 +1,10 @@
 """Small inline-PTX device functions shared by the sm_90a DSL kernels: explicit shared-memory
 vector loads / stores (the decoded-operand writes target computed 128B-swizzled addresses),
-read-only global loads of scale bytes, global stores of epilogue pairs, two converts, and the
-magic-multiply division by a runtime divisor (:func:`slot_magic` on the host, :func:`mulhi_shift` on the
-device: the paged kernels' ``slot // block_size``).
+read-only global loads of scale bytes, global stores of epilogue pairs, 1-D bulk copies global ->
+shared completed on an mbarrier and the mbarrier init / arrive / expect-tx / parity wait on an
+address, proxy fences and named barriers, two converts, and the magic-multiply division by a runtime
+divisor (:func:`slot_magic` on the host, :func:`mulhi_shift` on the device: the paged kernels'
+``slot // block_size``).
 
 Every memory function is emitted with side effects so that LLVM never merges or moves it across
 the kernel's barriers (a pure inline asm would be CSE'd across pipeline iterations).
@@ -20,9 +22,12 @@ try:
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
 
-__all__ = ["ld_shared_v4", "ld_shared_v2", "ld_shared_b32", "st_shared_v4", "st_shared_b32", "ld_global_nc_b32",
-           "ld_global_nc_u8", "ld_global_nc_u16", "ld_global_nc_f32", "st_global_b16", "st_global_b32",
-           "st_global_b64", "e4m3_byte_to_f32", "st_global_f32", "mulhi_shift", "slot_magic"]
+__all__ = ["ld_shared_v4", "ld_shared_v2", "ld_shared_v2_f32", "ld_shared_b32", "ld_shared_f32", "st_shared_v4",
+           "st_shared_b32", "st_shared_f32", "ld_global_nc_b32", "ld_global_nc_u8", "ld_global_nc_u16",
+           "ld_global_nc_f32", "st_global_b16", "st_global_b32", "st_global_b64", "st_global_v4", "st_global_f32",
+           "bulk_g2s", "mbar_init", "mbar_fence_init", "mbar_arrive", "mbar_arrive_expect_tx", "mbar_wait",
+           "fence_proxy_async", "named_barrier", "max_u16x2", "pack_bf16x2", "e4m3_byte_to_f32", "mulhi_shift",
+           "slot_magic"]
 
 
 def slot_magic(bs: int) -> tuple[int, int]:
@@ -71,6 +76,88 @@ if _HAVE_DSL:
              loc=loc, ip=ip)
 
     @dsl_user_op
+    def ld_shared_v2_f32(addr, *, loc=None, ip=None):
+        """8-byte shared load -> 2 x Float32 (addr 8 B aligned)."""
+        r = _asm(llvm.StructType.get_literal([T.f32()] * 2), "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r",
+                 [_v(addr, Int32, loc, ip)], loc=loc, ip=ip)
+        return tuple(Float32(llvm.extractvalue(T.f32(), r, [i], loc=loc, ip=ip)) for i in range(2))
+
+    @dsl_user_op
+    def ld_shared_f32(addr, *, loc=None, ip=None):
+        return Float32(_asm(T.f32(), "ld.shared.f32 $0, [$1];", "=f,r", [_v(addr, Int32, loc, ip)], loc=loc, ip=ip))
+
+    @dsl_user_op
+    def st_shared_f32(addr, x, *, loc=None, ip=None):
+        _asm(None, "st.shared.f32 [$0], $1;", "r,f", [_v(addr, Int32, loc, ip), _v(x, Float32, loc, ip)],
+             loc=loc, ip=ip)
+
+    # ---------------------------------------------------------------- bulk copies, mbarriers, fences
+    @dsl_user_op
+    def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
+        """``cp.async.bulk`` of ``nbytes`` (multiple of 16) from global address ``src`` (Int64, 16 B
+        aligned) to shared address ``dst`` (Int32, 16 B aligned); completes ``nbytes`` of
+        transaction count on the mbarrier at shared address ``mbar``. One thread issues it."""
+        _asm(None, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+             "r,l,r,r", [_v(dst, Int32, loc, ip), _v(src, Int64, loc, ip), _v(nbytes, Int32, loc, ip),
+                         _v(mbar, Int32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def mbar_init(mbar, count, *, loc=None, ip=None):
+        """``mbarrier.init.shared::cta.b64 [mbar], count`` (one thread)."""
+        _asm(None, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r", [_v(mbar, Int32, loc, ip), _v(count, Int32, loc, ip)],
+             loc=loc, ip=ip)
+
+    @dsl_user_op
+    def mbar_fence_init(*, loc=None, ip=None):
+        """Make mbarrier initializations visible to the async proxy (bulk copies)."""
+        _asm(None, "fence.mbarrier_init.release.cluster;", "", [], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def mbar_arrive(mbar, *, loc=None, ip=None):
+        """One arrival on the mbarrier (release semantics, CTA scope)."""
+        _asm(None, "{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [$0];\n}", "r", [_v(mbar, Int32, loc, ip)],
+             loc=loc, ip=ip)
+
+    @dsl_user_op
+    def mbar_arrive_expect_tx(mbar, nbytes, *, loc=None, ip=None):
+        """One arrival plus an expected transaction count of ``nbytes`` (the bulk copies that
+        complete on this barrier)."""
+        _asm(None, "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1;\n}", "r,r",
+             [_v(mbar, Int32, loc, ip), _v(nbytes, Int32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def mbar_wait(mbar, parity, *, loc=None, ip=None):
+        """Spin until the phase of parity ``parity`` (0/1) of the mbarrier has completed
+        (``mbarrier.try_wait.parity``; acquire semantics)."""
+        _asm(None, "{\n.reg .pred p;\nLAB_WAIT:\n"
+                   "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+                   "@!p bra LAB_WAIT;\n}", "r,r", [_v(mbar, Int32, loc, ip), _v(parity, Int32, loc, ip)],
+             loc=loc, ip=ip)
+
+    @dsl_user_op
+    def fence_proxy_async(*, loc=None, ip=None):
+        """Order this thread's generic-proxy shared-memory accesses before later async-proxy ones
+        (WGMMA operands, bulk copies) -- ``fence.proxy.async.shared::cta``."""
+        _asm(None, "fence.proxy.async.shared::cta;", "", [], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def named_barrier(bar_id: int, nthreads: int, *, loc=None, ip=None):
+        """``bar.sync bar_id, nthreads`` (``nthreads`` a multiple of 32; id 0 is __syncthreads)."""
+        _asm(None, f"bar.sync {int(bar_id)}, {int(nthreads)};", "", [], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def pack_bf16x2(lo, hi, *, loc=None, ip=None):
+        """Two fp32 -> one word of two bf16 (``cvt.rn.bf16x2.f32``, RNE), ``lo`` in the low half (pure)."""
+        return Uint32(_asm(T.i32(), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+                           [_v(lo, Float32, loc, ip), _v(hi, Float32, loc, ip)], side=False, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def max_u16x2(a, b, *, loc=None, ip=None):
+        """Per-16-bit-lane unsigned max (``max.u16x2``; pure)."""
+        return Uint32(_asm(T.i32(), "max.u16x2 $0, $1, $2;", "=r,r,r", [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip)],
+                           side=False, loc=loc, ip=ip))
+
+    @dsl_user_op
     def ld_global_nc_b32(addr, *, loc=None, ip=None):
         """``ld.global.nc.b32`` (read-only path) at a 4-byte aligned 64-bit address -> Uint32."""
         return Uint32(_asm(T.i32(), "ld.global.nc.b32 $0, [$1];", "=r,l", [_v(addr, Int64, loc, ip)],
@@ -99,6 +186,12 @@ if _HAVE_DSL:
         """Store the low 16 bits of ``w`` (``st.global.b16``)."""
         _asm(None, "{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.global.b16 [$0], t;\n}", "l,r",
              [_v(addr, Int64, loc, ip), _v(w, Uint32, loc, ip)], loc=loc, ip=ip)
+
+    @dsl_user_op
+    def st_global_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None):
+        """16-byte global store ``st.global.v4.b32`` (16 B aligned 64-bit address)."""
+        _asm(None, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+             [_v(addr, Int64, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
 
     @dsl_user_op
     def st_global_b32(addr, w, *, loc=None, ip=None):

@@ -37,7 +37,7 @@ try:
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
     from . import fp4
-    from .ptx import (ld_global_nc_b32, ld_shared_v2, ld_shared_v4, st_shared_b32, st_shared_v4)
+    from .ptx import ld_global_nc_b32, ld_shared_v2, max_u16x2, st_shared_b32, st_shared_v4
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -49,12 +49,6 @@ __all__ = ["decoded_offset", "row_prologue", "row_prologue_v4", "decode_row_chun
 HALF_TILE_BYTES = 16384
 
 if _HAVE_DSL:
-
-    @dsl_user_op
-    def _max_u16x2(a, b, *, loc=None, ip=None):
-        return Uint32(llvm.inline_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-                                      "max.u16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False,
-                                      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
     @dsl_user_op
     def _ld_global_nc_v4(addr, *, loc=None, ip=None):
@@ -82,7 +76,7 @@ if _HAVE_DSL:
     @cute.jit
     def _bytemax_words(m2: Uint32, w: Uint32):
         """Running per-16-bit-lane max of the bytes of ``w`` (two ``max.u16x2``)."""
-        return _max_u16x2(m2, _max_u16x2(w & Uint32(0x00FF00FF), (w >> 8) & Uint32(0x00FF00FF)))
+        return max_u16x2(m2, max_u16x2(w & Uint32(0x00FF00FF), (w >> 8) & Uint32(0x00FF00FF)))
 
     @cute.jit
     def decoded_offset(n: Int32, q: Int32):
@@ -152,64 +146,28 @@ if _HAVE_DSL:
         return _row_reference(m2, g, fp8, nvfp4, c, colscale_addr)
 
     @cute.jit
-    def decode_row_chunk(src: Int32, dst_a: Int32, dst_b: Int32, lo_off: cutlass.Constexpr[int], sc: Uint32,
-                         rb: Int32, fp8: cutlass.Constexpr[bool], nvfp4: cutlass.Constexpr[bool]):
-        """Decode one thread's chunk of one weight row for one K block.
+    def decode_row_chunk(src: Int32, dst_a: Int32, dst_b: Int32, sc: Uint32, nvfp4: cutlass.Constexpr[bool]):
+        """W4A16: decode one thread's 8-byte chunk (16 values) of one weight row for one K block
+        into BF16 ``level * scale`` (exact).
 
-        ``src``: shared address of the packed chunk (16 B for E4M3 = 32 values, 8 B for BF16 = 16
-        values); ``dst_a`` / ``dst_b``: shared addresses of its two 16-byte decoded chunks
-        (``2c`` and ``2c + 1`` of the row, swizzled); ``lo_off``: byte distance of the NVFP4 lo
-        tile; ``sc``: the chunk's scale byte(s), zero-extended (MXFP4 / BF16: one byte; NVFP4 with
-        E4M3 activations: two bytes, one per 16 values, the first in bits 0..7); ``rb``: the row's
-        reference from :func:`row_prologue`.
+        ``src``: shared address of the packed chunk; ``dst_a`` / ``dst_b``: shared addresses of
+        its two 16-byte decoded chunks (``2c`` and ``2c + 1`` of the row, swizzled); ``sc``: the
+        chunk's scale byte, zero-extended (UE8M0 for MXFP4, E4M3 for NVFP4). (W4A8 decodes inside
+        the grouped GEMM: ``Fp4GroupedGemmKernel._decode_fp8``.)
         """
-        if cutlass.const_expr(fp8):
-            w0, w1, w2, w3 = ld_shared_v4(src)
-            if cutlass.const_expr(not nvfp4):
-                d = Int32(sc & Uint32(0xFF)) - rb + 6
-                lo = Uint32(0)
-                hi = Uint32(0)
-                if d >= fp4.SHIFT_RANGE[0]:
-                    lo, hi = fp4.e4m3_lut_shift(d)
-                else:
-                    lo, hi = fp4.e4m3_lut(d)
-                a0, a1 = fp4.e2m1x8_to_e4m3x8(w0, lo, hi)
-                b0, b1 = fp4.e2m1x8_to_e4m3x8(w1, lo, hi)
-                c0, c1 = fp4.e2m1x8_to_e4m3x8(w2, lo, hi)
-                d0, d1 = fp4.e2m1x8_to_e4m3x8(w3, lo, hi)
-                st_shared_v4(dst_a, a0, a1, b0, b1)
-                st_shared_v4(dst_b, c0, c1, d0, d1)
-            else:
-                s0, s1 = fp4.e4m3x2_to_f32x2(sc)
-                inv = fp4.exp2i(-rb)
-                h0l, h0h, l0l, l0h = fp4.e4m3_hilo_lut(s0 * inv)
-                h1l, h1h, l1l, l1h = fp4.e4m3_hilo_lut(s1 * inv)
-                a0, a1 = fp4.e2m1x8_to_e4m3x8(w0, h0l, h0h)
-                b0, b1 = fp4.e2m1x8_to_e4m3x8(w1, h0l, h0h)
-                c0, c1 = fp4.e2m1x8_to_e4m3x8(w2, h1l, h1h)
-                d0, d1 = fp4.e2m1x8_to_e4m3x8(w3, h1l, h1h)
-                st_shared_v4(dst_a, a0, a1, b0, b1)
-                st_shared_v4(dst_b, c0, c1, d0, d1)
-                a0, a1 = fp4.e2m1x8_to_e4m3x8_xs(w0, l0l, l0h)
-                b0, b1 = fp4.e2m1x8_to_e4m3x8_xs(w1, l0l, l0h)
-                c0, c1 = fp4.e2m1x8_to_e4m3x8_xs(w2, l1l, l1h)
-                d0, d1 = fp4.e2m1x8_to_e4m3x8_xs(w3, l1l, l1h)
-                st_shared_v4(dst_a + lo_off, a0, a1, b0, b1)
-                st_shared_v4(dst_b + lo_off, c0, c1, d0, d1)
+        w0, w1 = ld_shared_v2(src)
+        sb = sc & Uint32(0xFF)
+        bits = Uint32(0)
+        if cutlass.const_expr(not nvfp4):
+            bits = cutlass.select_(sb == Uint32(0), Uint32(0x0040),
+                                   cutlass.select_(sb == Uint32(0xFF), Uint32(0x7FC0), sb << 7))
         else:
-            w0, w1 = ld_shared_v2(src)
-            sb = sc & Uint32(0xFF)
-            bits = Uint32(0)
-            if cutlass.const_expr(not nvfp4):
-                bits = cutlass.select_(sb == Uint32(0), Uint32(0x0040),
-                                       cutlass.select_(sb == Uint32(0xFF), Uint32(0x7FC0), sb << 7))
-            else:
-                sv, _ = fp4.e4m3x2_to_f32x2(sb)
-                bits = fp4.f32_to_bits(sv) >> 16
-            s2 = bits | (bits << 16)
-            p0, p1, p2, p3 = fp4.e2m1x8_to_bf16x8(w0)
-            q0, q1, q2, q3 = fp4.e2m1x8_to_bf16x8(w1)
-            st_shared_v4(dst_a, fp4.mul_bf16x2(p0, s2), fp4.mul_bf16x2(p1, s2), fp4.mul_bf16x2(p2, s2),
-                         fp4.mul_bf16x2(p3, s2))
-            st_shared_v4(dst_b, fp4.mul_bf16x2(q0, s2), fp4.mul_bf16x2(q1, s2), fp4.mul_bf16x2(q2, s2),
-                         fp4.mul_bf16x2(q3, s2))
+            sv, _ = fp4.e4m3x2_to_f32x2(sb)
+            bits = fp4.f32_to_bits(sv) >> 16
+        s2 = bits | (bits << 16)
+        p0, p1, p2, p3 = fp4.e2m1x8_to_bf16x8(w0)
+        q0, q1, q2, q3 = fp4.e2m1x8_to_bf16x8(w1)
+        st_shared_v4(dst_a, fp4.mul_bf16x2(p0, s2), fp4.mul_bf16x2(p1, s2), fp4.mul_bf16x2(p2, s2),
+                     fp4.mul_bf16x2(p3, s2))
+        st_shared_v4(dst_b, fp4.mul_bf16x2(q0, s2), fp4.mul_bf16x2(q1, s2), fp4.mul_bf16x2(q2, s2),
+                     fp4.mul_bf16x2(q3, s2))
