@@ -277,7 +277,7 @@ def set_max_dynamic_smem(kernel: Any, nbytes: int) -> None:
 
 
 def launch(kernel: Any, grid: Iterable[int] | int, block: Iterable[int] | int, *args: Any, smem: int = 0,
-           cluster: Iterable[int] | int | None = None) -> None:
+           cluster: Iterable[int] | int | None = None, pdl: bool = False) -> None:
     """Launch ``kernel`` on torch's current stream.
 
     ``args``: torch tensors (passed as device pointers), numpy scalars (explicit widths), or
@@ -286,6 +286,11 @@ def launch(kernel: Any, grid: Iterable[int] | int, block: Iterable[int] | int, *
 
     ``cluster``: thread-block cluster shape. NOTE: with a cluster, cuda.core reads ``grid`` as
     the number of *clusters*, not blocks (total blocks = grid * cluster).
+
+    ``pdl``: programmatic dependent launch (the programmatic-stream-serialization attribute): the kernel's
+    CTAs may start while the preceding kernel on the stream drains, so the kernel must run
+    ``griddepcontrol.wait`` before its first global access. A plan that records this run sees the launch
+    through ``_launch_hook`` without the attribute and replays it plainly (same kernel, same result).
 
     Two direct driver launches were measured against ``cuda.core.launch`` and deleted: ``cuLaunchKernel``
     through ctypes with struct-packed parameters (24.7 vs 17.7 us for 8 arguments, job eager7-01) and
@@ -304,7 +309,7 @@ def launch(kernel: Any, grid: Iterable[int] | int, block: Iterable[int] | int, *
         elif t is int or t is float or t is bool:
             raise TypeError(f"kernel argument {i} is a bare Python {t.__name__}; "
                             "pass np.int32/np.int64/np.float32 to make its width explicit")
-    _core_launch(_stream(), _config(grid, block, int(smem), cluster), kernel, *conv)
+    _core_launch(_stream(), _config(grid, block, int(smem), cluster, pdl), kernel, *conv)
 
 
 #: set while a plan records a provider's run (dsv4/ops/_trace.py): called with every launch's arguments
@@ -321,10 +326,10 @@ def _core_launch(*a: Any) -> None:
 _configs: dict[tuple, Any] = {}
 
 
-def _config(grid: Any, block: Any, smem: int, cluster: Any) -> Any:
+def _config(grid: Any, block: Any, smem: int, cluster: Any, pdl: bool = False) -> Any:
     """The ``cuda.core.LaunchConfig`` of a launch shape, built once (its constructor validates
     and costs several microseconds; launches repeat the same few shapes)."""
-    key = (grid, block, smem, cluster)
+    key = (grid, block, smem, cluster, pdl)
     try:
         cfg = _configs.get(key)
     except TypeError:                                   # a list: unhashable
@@ -335,6 +340,8 @@ def _config(grid: Any, block: Any, smem: int, cluster: Any) -> Any:
         kw = {"grid": grid, "block": block, "shmem_size": smem}
         if cluster is not None:
             kw["cluster"] = cluster
+        if pdl:
+            kw["programmatic_stream_serialization"] = True
         cfg = LaunchConfig(**kw)
         if len(_configs) < 4096:
             _configs[key] = cfg

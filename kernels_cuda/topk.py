@@ -39,7 +39,6 @@ import torch
 
 from dsv4.registry import Support
 
-from . import nvrtc
 from ._provider import CudaProvider
 from .nvrtc import launch, load, set_max_dynamic_smem
 
@@ -54,7 +53,6 @@ INT32_MAX = 2 ** 31 - 1
 #: rounds): 0.9-1.0 us less per call on every DSV4 shape (e.g. [1, 129280] 13.46 -> 12.56, [128, 8192] 9.59 -> 8.61)
 PDL = True
 _smem_ready: set[int] = set()
-_pdl_configs: dict[tuple, object] = {}
 
 
 def smem_bytes(cap: int = CAP) -> int:
@@ -157,26 +155,6 @@ def _kernel(mod, name: str, cluster: int = 1):
     return kern
 
 
-def _launch(kern, grid: int, block: int, args: tuple, smem: int, cluster, pdl: bool) -> None:
-    """``nvrtc.launch`` (``pdl=False``) or the same launch with the programmatic-stream-serialization attribute.
-    A plan that records this run (dsv4/ops/_trace.py) sees the launch through ``nvrtc._launch_hook`` and replays it
-    without the attribute (the same kernel and result; eager replays are host-bound, PDL matters in graphs)."""
-    if not pdl:
-        return launch(kern, grid, block, *args, smem=smem, cluster=cluster)
-    if nvrtc._launch_hook is not None:
-        nvrtc._launch_hook(kern, grid, block, args, smem, cluster)
-    key = (grid, block, smem, cluster)
-    cfg = _pdl_configs.get(key)
-    if cfg is None:
-        from cuda.core import LaunchConfig
-        kw = {"grid": grid, "block": block, "shmem_size": smem, "programmatic_stream_serialization": True}
-        if cluster is not None:
-            kw["cluster"] = cluster
-        cfg = _pdl_configs[key] = LaunchConfig(**kw)
-    conv = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-    nvrtc._core_launch(nvrtc._stream(), cfg, kern, *conv)
-
-
 def launch_config(logits: torch.Tensor, config: TopkConfig | None = None, *, cluster: int | None = None,
                   threads: int | None = None, resident: bool | None = None, vec: bool | None = None) -> TopkConfig:
     """The :class:`TopkConfig` a call on ``logits`` runs with: ``config`` or :func:`default_config`
@@ -226,13 +204,13 @@ def topk_cuda(logits: torch.Tensor, lengths: torch.Tensor, k: int, starts=None, 
     has_bt = block_table is not None
     bt_stride = block_table.stride(0) if has_bt and block_table.shape[0] > 1 else (block_table.shape[1] if has_bt else 0)
     # cuda.core: with `cluster`, LaunchConfig's grid counts CLUSTERS, not blocks -> grid = rows
-    _launch(kern, rows, config.threads,
-            (logits, np.int64(row_stride), np.int32(ncols),
-             lengths, starts if has_st else lengths, np.int32(has_st),
-             block_table if has_bt else lengths, np.int64(bt_stride), np.int32(block_size if has_bt else 1),
-             np.int32(rows_per_seq), np.int32(has_bt), np.int32(_num_blocks(num_blocks)),
-             np.int32(k), np.int32(bool(sorted)), np.int32(rows), out_idx, out_sc),
-            smem_bytes(), config.cluster if config.cluster > 1 else None, PDL if pdl is None else pdl)
+    launch(kern, rows, config.threads,
+           logits, np.int64(row_stride), np.int32(ncols),
+           lengths, starts if has_st else lengths, np.int32(has_st),
+           block_table if has_bt else lengths, np.int64(bt_stride), np.int32(block_size if has_bt else 1),
+           np.int32(rows_per_seq), np.int32(has_bt), np.int32(_num_blocks(num_blocks)),
+           np.int32(k), np.int32(bool(sorted)), np.int32(rows), out_idx, out_sc,
+           smem=smem_bytes(), cluster=config.cluster if config.cluster > 1 else None, pdl=PDL if pdl is None else pdl)
     return out_idx, out_sc
 
 

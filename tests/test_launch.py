@@ -27,7 +27,7 @@ def test_launch_passes_tensors_as_pointers_and_keeps_the_rest(monkeypatch):
     desc = object()                                     # e.g. a TensorMapDescriptor: passed through
     nvrtc.launch("k", 3, 64, x, np.int32(-7), np.int64(1 << 40), desc, x[1:], smem=128, cluster=2)
     (a,) = seen
-    assert a[:3] == ("stream", (3, 64, 128, 2), "k")
+    assert a[:3] == ("stream", (3, 64, 128, 2, False), "k")
     assert a[3] == x.data_ptr() and a[4] == np.int32(-7) and type(a[4]) is np.int32 and type(a[5]) is np.int64
     assert a[6] is desc and a[7] == x.data_ptr() + 4
 
@@ -46,4 +46,22 @@ def test_launch_configs_are_built_once_per_shape(monkeypatch):
     c2 = nvrtc._config([2, 2], (128, 1), 1024, [2, 1])   # lists are keyed as tuples
     assert nvrtc._config((2, 2), [128, 1], 1024, (2, 1)) is c2 and c2 is not c1
     assert built[1] == {"grid": [2, 2], "block": (128, 1), "shmem_size": 1024, "cluster": [2, 1]}
+    c3 = nvrtc._config(4, 128, 0, None, True)            # programmatic dependent launch: its own config
+    assert c3 is not c1 and nvrtc._config(4, 128, 0, None, True) is c3 and len(built) == 3
+    assert built[2] == {"grid": 4, "block": 128, "shmem_size": 0, "programmatic_stream_serialization": True}
+
+
+def test_pdl_launch_reaches_the_config_and_records_plainly(monkeypatch):
+    """``pdl=True`` selects the programmatic-stream-serialization config; a recording plan's hook sees the
+    same (kernel, grid, block, args, smem, cluster) as for a plain launch (its replay launches plainly)."""
+    seen, hooked = [], []
+    monkeypatch.setattr(nvrtc, "_core_launch", lambda *a: seen.append(a))
+    monkeypatch.setattr(nvrtc, "_stream", lambda: "stream")
+    monkeypatch.setattr(nvrtc, "_config", lambda *a: a)
+    monkeypatch.setattr(nvrtc, "_launch_hook", lambda *a: hooked.append(a))
+    x = torch.zeros(4)
+    for pdl in (True, False):
+        nvrtc.launch("k", 2, 32, x, np.int32(3), smem=64, cluster=None, pdl=pdl)
+    assert [a[1] for a in seen] == [(2, 32, 64, None, True), (2, 32, 64, None, False)]
+    assert hooked[0] == hooked[1] == ("k", 2, 32, (x, np.int32(3)), 64, None)
 
