@@ -21,8 +21,12 @@ the provider's recorded host trace (dsv4/ops/_plan.py, dsv4/ops/_trace.py).
 
     PYTHONPATH=. python bench/bench_eager.py [--json out.json] [--ops topk,kv_gather] [--budget 0.2]
         [--lib-only] [--deadline S] [--first topk,quantize] [--dsl-call tvm-ffi|dsl]
-        [--breakdown] [--cprofile N] [--lines] [--rounds 3] [--variants old,direct,plan,replay]
+        [--breakdown] [--cprofile N] [--lines] [--rounds 3] [--variants old,direct,plan,replay] [--record] [--bare]
         (or: dsv4 bench eager ...)
+
+``--record`` adds the cost of each call's plan recording (its signature's second call, :func:`time_record`) against
+the plain full path; ``--bare`` times a bare torch op before each row (the same-process host-speed baseline: a
+loaded host shows in it).
 
 ``--lines`` prints each planned call's host time by stage (plain-eager test, key, hit) and by line of its
 replayed trace (:func:`line_profile`); ``--breakdown`` adds the per-stage columns of :class:`Stages`; ``--variants`` times each call again
@@ -391,7 +395,12 @@ def line_profile(c: Call, cuda: bool, iters: int = 200) -> str:
             src += "".join(x + "\n" for x in u) + "    _T.append(_PC())\n"
     g = dict(L.__globals__)
     g["_PC"] = clock
-    exec(src, g)  # noqa: S102 - the replay's own lines, timed
+    try:
+        exec(src, g)  # noqa: S102 - the replay's own lines, timed
+    except SyntaxError as e:                     # (a diagnostic: the probe's lines around the error)
+        ls = src.split("\n")
+        lo = max(0, (e.lineno or 1) - 4)
+        return out[0] + f"  (probe: SyntaxError line {e.lineno}: " + " | ".join(ls[lo:lo + 6])[:600] + ")"
     probe = g["probe"]
     args = hit.args_of(a, kw)
     per = [[] for _ in stmts]
@@ -474,10 +483,64 @@ def time_rounds(c: Call, cuda: bool, budget_s: float, max_iters: int, rounds: in
     return min(meds), every
 
 
+def time_bare(dev: torch.device, cuda: bool, budget_s: float, rounds: int) -> float:
+    """Seconds per call of a bare torch op (``buf.zero_()``: one kernel launch on CUDA) timed like the op calls:
+    the same-process baseline that shows how fast this host is at the moment (noise shows in it too)."""
+    buf = torch.empty(256, device=dev)
+    return time_rounds(Call("bare", "zero_", buf.zero_, (), {}), cuda, budget_s, 400, rounds)[0]
+
+
+def time_record(c: Call, cuda: bool, reps: int = 3) -> dict:
+    """The cost of a signature's recording call (its second: dsv4/ops/_plan.py records the plan and the
+    provider's host trace, generates the replay code) against the plain full path of the same call:
+    ``full_us`` (median, plans off), ``first_us`` (the signature's first call, plans on: the full path and a
+    cache entry), ``rec_new_us`` (the recording when the trace's structure is new to the process: its code
+    compiled), ``rec_us`` (median of ``reps`` recordings of a structure already compiled: what a new shape of
+    a known structure pays, dsv4/ops/_trace.py :func:`exec_generated`)."""
+    from dsv4.ops import _plan, _trace
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    prev = apply_flags({"plans": False})
+    try:
+        full = time_rounds(c, cuda, 0.01, 100, 1)[0]
+    finally:
+        apply_flags(prev)
+    firsts, recs = [], []
+    clock = time.perf_counter
+    for i in range(reps + 1):
+        if i == 0:
+            _trace._CODE.clear()
+        _plan.clear()
+        sync()
+        t0 = clock()
+        c.fn(*c.args, **c.kwargs)
+        t1 = clock()
+        sync()
+        t2 = clock()
+        c.fn(*c.args, **c.kwargs)
+        t3 = clock()
+        sync()
+        firsts.append(t1 - t0)
+        recs.append(t3 - t2)
+    plan = _plan.plan_of(c.fn, *c.args, **c.kwargs)
+    kind = ("replay" if plan.launch is not None else "run") if callable(plan) else "full"
+    for _ in range(3):                               # (the plan back for what is timed next)
+        c.fn(*c.args, **c.kwargs)
+    sync()
+    return {"full_us": full * 1e6, "first_us": statistics.median(firsts) * 1e6, "rec_new_us": recs[0] * 1e6,
+            "rec_us": statistics.median(recs[1:]) * 1e6, "rec_x": statistics.median(recs[1:]) / full,
+            "plan": kind}
+
+
 def time_call(c: Call, cuda: bool, budget_s: float, max_iters: int = 400, lib_only: bool = False,
-              variants: tuple[str, ...] = (), rounds: int = 3) -> dict:
+              variants: tuple[str, ...] = (), rounds: int = 3, rec: bool = False) -> dict:
     med, host = (float("nan"), []) if lib_only else time_rounds(c, cuda, budget_s, max_iters, rounds)
     row = {"case": c.label, "op": c.name, "providers": ",".join(dict.fromkeys(c.ops)) or "-"}
+    if rec:
+        try:
+            row.update(time_record(c, cuda))
+        except Exception as e:  # noqa: BLE001 - a diagnostic column: reported, never fatal
+            row.update(plan=f"error: {type(e).__name__}: {e}"[:80], rec_us=float("nan"), rec_new_us=float("nan"),
+                       full_us=float("nan"), rec_x=float("nan"))
     for v in variants:                                   # same call, the library's switches set per variant
         prev = apply_flags(VARIANTS[v])
         try:
@@ -515,6 +578,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lines", action="store_true",
                     help="per-line host time of each planned call (key, lookup, each replayed trace line)")
     ap.add_argument("--variants", default="", help=f"comma list of switch settings timed per call: {sorted(VARIANTS)}")
+    ap.add_argument("--record", action="store_true",
+                    help="time each call's recording call (its signature's second, :func:`time_record`) "
+                         "against the plain full path")
+    ap.add_argument("--bare", action="store_true",
+                    help="time a bare torch op (buf.zero_()) before each row: the same-process host-speed baseline")
     a = ap.parse_args(argv)
     variants = tuple(v for v in a.variants.split(",") if v)
     for v in variants:
@@ -547,12 +615,18 @@ def main(argv=None) -> int:
             if (want and c.name not in want) or (c.name, c.label) in seen:
                 continue
             seen.add((c.name, c.label))
-            rows.append(time_call(c, cuda, a.budget, lib_only=a.lib_only, variants=variants, rounds=a.rounds))
+            bare = time_bare(dev, cuda, a.budget / 2, a.rounds) * 1e6 if a.bare else float("nan")
+            rows.append(time_call(c, cuda, a.budget, lib_only=a.lib_only, variants=variants, rounds=a.rounds,
+                                  rec=a.record))
             r = rows[-1]
+            r["bare_us"] = bare
             if a.breakdown:
                 r.update(breakdown(c, cuda))
             print(f"  {r['op']:<22} {r['case']:<38} host {r['host_us']:8.1f} us  lib {r['lib_us']:6.1f} us  "
                   + "".join(f"{v} {r.get(v + '_us', float('nan')):6.1f}/{r[v + '_lib_us']:5.1f} us  " for v in variants)
+                  + (f"bare {bare:5.1f} us  " if a.bare else "")
+                  + (f"rec {r['rec_us']:8.0f} (new {r['rec_new_us']:8.0f}) / full {r['full_us']:6.1f} us "
+                     f"= {r['rec_x']:5.1f}x ({r['plan']})  " if a.record else "")
                   + f"{r['providers']}",
                   file=sys.stderr, flush=True)
             if a.cprofile:
@@ -564,6 +638,10 @@ def main(argv=None) -> int:
                     print(f"LINES {c.name} [{c.label}] failed: {type(e).__name__}: {e}", flush=True)
     cols = ["op", "case", "providers", "host_us", "p10_us", "lib_us", "target_met"] + \
         [f"{v}_{k}us" for v in variants for k in ("", "lib_")]
+    if a.bare:
+        cols.insert(cols.index("lib_us") + 1, "bare_us")
+    if a.record:
+        cols += ["full_us", "first_us", "rec_new_us", "rec_us", "rec_x", "plan"]
     if a.breakdown:
         cols += ["checks_us", "validate_us", "boundary_us", "select_us", "glue_us", "alloc_us", "n_alloc",
                  "launch_us", "n_launch", "staged_us"]

@@ -156,7 +156,7 @@ def _nonfinite_inputs(path: str) -> list[str]:
                         bad.append(f"'{key}' {list(t.shape)}: {n} of {t.numel()} values are NaN/Inf "
                                    f"({int(torch.isnan(t).sum())} NaN)")
         return bad
-    except Exception:  # noqa: BLE001  (unreadable file: run_csa_layer raises the InputError)
+    except Exception:  # noqa: BLE001  (unreadable file: plan_layer raises the InputError)
         return []
 
 
@@ -210,7 +210,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"dsv4 run: {e}", file=sys.stderr)
         return 2
     print(plan.banner)
-    if plan.problem.device.type != "cuda":
+    if plan.sizes.device.type != "cuda":
         defaults = args.context is None and args.batch is None and not args.inputs
         print("No GPU: running the torch REFERENCE path of every op" + (" (small default size)" if defaults else "")
               + "; the kernels run on a Hopper GPU.")

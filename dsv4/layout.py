@@ -93,9 +93,8 @@ def _compiled(expr: str) -> Any:
         _check_ast(expr)
         names = sorted({n.id for n in ast.walk(ast.parse(expr, mode="eval"))
                         if isinstance(n, ast.Name) and n.id not in _FUNCS})
-        body = expr
-        src = "lambda _e: (lambda " + ", ".join(names) + ": " + body + ")(" + \
-            ", ".join(f"_e[{n!r}]" for n in names) + ")" if names else "lambda _e: " + body
+        src = "lambda _e: (lambda " + ", ".join(names) + ": " + expr + ")(" + \
+            ", ".join(f"_e[{n!r}]" for n in names) + ")" if names else "lambda _e: " + expr
         fn = eval(src, dict(_FUNCS, __builtins__={}))  # noqa: S307 - AST checked above
         _COMPILED[expr] = fn
     return fn
@@ -365,7 +364,7 @@ def _checker(spec: OpSpec, specs: Sequence[TensorSpec]):
     check, which raises the worded error. Straight-line code, no loops over specs per call."""
     g: dict[str, Any] = {"Tensor": torch.Tensor}
     src = ["def check(tensors, env):", "    dev = None"]
-    present_names = []
+    reads = []                                    # (index, spec, indent of the code that reads it)
     for i, ts in enumerate(specs):
         t, sh = f"t{i}", f"s{i}"
         g[f"D{i}"] = frozenset(ts.dtypes)
@@ -385,9 +384,9 @@ def _checker(spec: OpSpec, specs: Sequence[TensorSpec]):
             if _is_symbol(d):                     # the first operand with the symbol binds it, the others compare
                 src += [f"{ind}v = env.get({d!r})", f"{ind}if v is None: env[{d!r}] = {sh}[{j}]",
                         f"{ind}elif v != {sh}[{j}]: return False"]
-        present_names.append((i, ts, ind))
+        reads.append((i, ts, ind))
     src.append("    cuda = dev is not None and dev.type == 'cuda'")
-    for i, ts, ind in present_names:
+    for i, ts, ind in reads:
         t, sh = f"t{i}", f"s{i}"
         body = []
         for j, d in enumerate(ts.shape):

@@ -50,7 +50,7 @@ import torch
 
 from .measure import BF16_PEAK_TFLOPS, copy_bandwidth, time_us
 
-__all__ = ["LayerConfig", "LayerPlan", "LayerResult", "Stage", "StageResult", "plan_layer", "run_plan", "run_layer",
+__all__ = ["LayerConfig", "LayerSizes", "LayerPlan", "LayerResult", "Stage", "StageResult", "plan_layer", "run_plan", "run_layer",
            "InputError", "INPUT_KEYS", "OPTIONAL_KEYS", "MODELS", "LAYERS", "MIN_CONTEXT"]
 
 MODELS = {"flash": {"heads": 64, "topk": 512}, "pro": {"heads": 128, "topk": 1024}}
@@ -81,6 +81,9 @@ class InputError(ValueError):
 
 @dataclass
 class StageResult:
+    """One timed stage: the op, the provider that ran it and why (``Choice.summary``), the time
+    (``timing``: how it was measured) and the achieved rate against its roofline."""
+
     name: str
     op: str
     provider: str
@@ -96,7 +99,11 @@ class StageResult:
 
 
 @dataclass
-class Problem:
+class LayerSizes:
+    """The resolved sizes of one run: ``B`` sequences, ``next_n`` query rows each (``T = B * next_n``),
+    ``context`` tokens, ``S`` compressed entries per sequence, attention ``heads``, top-``k`` (CSA; the
+    entry count otherwise), the indexer key format, the device and the layer kind."""
+
     B: int
     next_n: int
     context: int
@@ -111,8 +118,6 @@ class Problem:
     @property
     def T(self) -> int:
         return self.B * self.next_n
-
-
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,7 @@ class LayerPlan:
     in order, and ``state`` (the stages' outputs, filled while they run)."""
 
     config: LayerConfig
-    problem: Problem
+    sizes: LayerSizes
     banner: str
     stages: list[Stage]
     state: dict
@@ -202,9 +207,10 @@ class LayerResult:
         return {"config": self.config, "copy_bandwidth_gbps": self.copy_bandwidth_gbps,
                 "stages": [asdict(r) for r in self.stages], "quality": self.quality, "schema": 2}
 
+
 # ---------------------------------------------------------------------------------------------
 # inputs
-def _generate(p: Problem, seed: int, progress: bool) -> dict:
+def _generate(p: LayerSizes, seed: int, progress: bool) -> dict:
     from tqdm import tqdm
 
     from .data import attention_kv, indexer_inputs
@@ -286,7 +292,7 @@ def load_inputs(path: str, model: str = "flash") -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-def _cache_slots(p: Problem, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _cache_slots(p: LayerSizes, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A shuffled block table (pages of BLOCK entries) per sequence and the slot of every entry."""
     nb = -(-p.S // BLOCK)
     perm = torch.randperm(p.B * nb, generator=g).view(p.B, nb).to(torch.int32)
@@ -318,7 +324,7 @@ def plan_layer(config: LayerConfig, *, progress: bool = False) -> LayerPlan:
         cfg = replace(cfg, batch=B, context=context, next_n=next_n)
     ratio = LAYERS[layer]
     S = context // ratio if ratio else 0
-    p = Problem(B=B, next_n=next_n, context=context, S=S, heads=m["heads"], k=m["topk"] if layer == "csa" else S,
+    p = LayerSizes(B=B, next_n=next_n, context=context, S=S, heads=m["heads"], k=m["topk"] if layer == "csa" else S,
                 fmt=cfg.fmt, device=device, layer=layer)
     T = p.T
     what = {"csa": f"({p.S} compressed entries), top-{p.k}, indexer keys {p.fmt}",
@@ -406,7 +412,7 @@ def run_plan(plan: LayerPlan, *, progress: bool = False) -> LayerResult:
     from tqdm import tqdm
 
     from .registry import last_choice
-    cfg, p = plan.config, plan.problem
+    cfg, p = plan.config, plan.sizes
     device = p.device
     on_gpu = device.type == "cuda"
     bw = copy_bandwidth(device)
@@ -441,7 +447,7 @@ def run_layer(config: LayerConfig, *, progress: bool = False) -> LayerResult:
     return run_plan(plan_layer(config, progress=progress), progress=progress)
 
 
-def _attention_inputs(p: Problem, d: dict, g: torch.Generator):
+def _attention_inputs(p: LayerSizes, d: dict, g: torch.Generator):
     """Attention queries ``[T, H, 512]`` (bf16), the window's raw KV ``[B, 128, 512]`` and the sink ``[H]``:
     from the inputs (CSA: derived from the indexer queries) or generated (unit-norm rows x 4)."""
     dev = p.device
@@ -463,7 +469,7 @@ def _attention_inputs(p: Problem, d: dict, g: torch.Generator):
     return q_attn, kv_swa, sink
 
 
-def _csa_stages(p: Problem, d: dict, g: torch.Generator, state: dict, swa_cache, swa_slots, kv_swa):
+def _csa_stages(p: LayerSizes, d: dict, g: torch.Generator, state: dict, swa_cache, swa_slots, kv_swa):
     """CSA: compressed + indexer caches, and the append / indexer / top-k stages."""
     from .ops.indexer import indexer_bytes_per_token, indexer_cache_write, indexer_logits_paged, indexer_q_quant
     from .ops.kv_cache import kv_cache_append
@@ -518,7 +524,7 @@ def _csa_stages(p: Problem, d: dict, g: torch.Generator, state: dict, swa_cache,
     return kv_cache, bt, lens, stages
 
 
-def _hca_cache(p: Problem, g: torch.Generator):
+def _hca_cache(p: LayerSizes, g: torch.Generator):
     """HCA: the compressed cache pages and the compressor inputs of every context token (fp32
     wkv / wgate outputs, ape, RMSNorm weight, the compressed-layer RoPE table)."""
     from .reference.rope import rope_cos_sin_table
@@ -534,7 +540,7 @@ def _hca_cache(p: Problem, g: torch.Generator):
     return kv_cache, bt, hca_in
 
 
-def _quality(p: Problem, d: dict, q_attn, kv_swa, sink, t_row, state) -> dict:
+def _quality(p: LayerSizes, d: dict, q_attn, kv_swa, sink, t_row, state) -> dict:
     """Top-k recall (CSA) and attention-output cosine of the pipeline vs the FP32 path."""
     from .reference.sparse_attention import sparse_attention_ref
     B, n, T = p.B, p.next_n, p.T

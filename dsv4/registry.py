@@ -244,7 +244,8 @@ class Op:
         module: module basename under ``kernels_dsl`` / ``kernels_cuda`` / ``dsv4.reference``
             (default: ``name``).
         kinds: provider kinds in preference order.
-        example_problem: ``f(target) -> problem`` used by ``dsv4 ops`` to show what would run.
+        example_problem: ``f(target) -> problem`` (the op's :class:`Problem`) used by ``dsv4 ops`` to
+            show what would run.
 
     A provider's ``supports`` depends on the problem and the target only (the choice is cached on
     them); what changes it otherwise calls :meth:`clear_cache`. Likewise for what a provider's ``run``
@@ -254,7 +255,7 @@ class Op:
 
     def __init__(self, name: str, spec: Any, *, module: str | None = None,
                  kinds: tuple[str, ...] = KINDS,
-                 example_problem: Callable[[Target], dict] | None = None):
+                 example_problem: Callable[[Target], Any] | None = None):
         self.name = name
         self.spec = spec
         self.module = module or name
@@ -443,6 +444,8 @@ _getenv = _env_reader()
 _REGISTRY: dict[str, Op] = {}
 _LAST: dict[str, Choice] = {}
 _CONFIG: dict[str, Any] = {}
+
+
 class _Overrides(threading.local):
     """Per thread: the stack of :func:`use` mappings (innermost last). ``threading.local`` runs
     ``__init__`` on a thread's first access, so dispatch reads ``_tls.stack`` without the exception a

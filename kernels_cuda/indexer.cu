@@ -19,7 +19,7 @@
 // indexer_prefill.py prefill; measured faster, docs/benchmarks.md). NVFP4 decode stays here: its
 // E2M1 x E4M3-scale products have no exact FP8 operand and the DSL decode kernel has only its FP8
 // register-sourced WGMMA path. The quantizers (cache write, q quant) are the
-// CuTe DSL kernels of kernels_dsl/indexer_quant.py (this file's former one was deleted, job kv9-02). Generic device helpers (smem
+// CuTe DSL kernels of kernels_dsl/indexer_quant.py (this file's former one lost and was deleted). Generic device helpers (smem
 // addresses, cp.async, WGMMA wrappers, fwht128, E2M1 / UE8M0 encode) come from common.cuh.
 //
 // Macros: IDX_FMT (0 MXFP4, 1 NVFP4, 2 FP8; the logits kernel exists for 1 only), IDX_NQ (1..4 query rows per CTA),

@@ -2,7 +2,7 @@
 
 * ``indexer_cache_write`` / ``indexer_q_quant``: no cuda provider; the CuTe DSL quantizers
   (kernels_dsl/indexer_quant.py) matched or beat this file's former warp-per-row kernel at every size
-  (job kv9-02) and it was deleted.
+  (docs/benchmarks.md) and it was deleted.
 * ``indexer_logits_paged`` (decode), **NVFP4 keys only**: ``indexer_logits_kernel``, the exact
   BF16 WGMMA path (E2M1 x E4M3 scale decoded exactly to BF16 in smem, wgmma m64nNk16, fused ReLU
   x w head sum), one launch, no host sync. MXFP4 and FP8 keys run on the CuTe DSL provider
@@ -13,6 +13,9 @@
   prefill path (deleted).
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -67,22 +70,45 @@ def _set_carveout(kernel) -> None:
         pass
 
 
-def _kernel(fmt: str, nq: int):
-    """(kernel, dynamic smem bytes, CTAs per SM) for one specialization (NVFP4 keys only: the
-    logits kernel is compiled for ``IDX_FMT=1`` alone, see indexer.cu)."""
-    if fmt != "nvfp4":
+@dataclass(frozen=True)
+class LogitsConfig:
+    """Specialization of ``indexer_logits_kernel``: key format, ``next_n`` (N = 64 * next_n), cp.async ring
+    ``stages``, dynamic ``smem`` bytes and the CTAs per SM they allow (the chunk tiles per CTA follow the batch:
+    :func:`decode_chunk_tiles`)."""
+    fmt: str
+    next_n: int
+    stages: int
+    smem: int
+    ctas_per_sm: int
+
+    def __str__(self) -> str:  # what registry.last_choice("indexer_logits_paged").explain() shows
+        return (f"{self.fmt} keys, N = {64 * self.next_n}, {self.stages}-stage page ring, "
+                f"{self.smem // 1024} KiB smem, {self.ctas_per_sm} CTA{'s' if self.ctas_per_sm > 1 else ''}/SM")
+
+
+@functools.lru_cache(maxsize=None)
+def logits_config(fmt: str, next_n: int) -> LogitsConfig:
+    """The heuristic: the deepest ring that keeps 3 CTAs per SM at next_n = 1 (:func:`_stages`)."""
+    st = _stages(fmt, next_n)
+    smem = logits_smem_bytes(fmt, next_n, st)
+    return LogitsConfig(fmt, next_n, st, smem, ctas_per_sm(smem))
+
+
+def _kernel(cfg: LogitsConfig):
+    """The compiled kernel of one :class:`LogitsConfig` (NVFP4 keys only: the logits kernel is compiled
+    for ``IDX_FMT=1`` alone, see indexer.cu)."""
+    if cfg.fmt != "nvfp4":
         raise ValueError(f"indexer.cu logits kernel: fmt must be 'nvfp4' (MXFP4 / FP8 keys run on the dsl "
-                         f"provider), got {fmt!r}")
-    st = _stages(fmt, nq)
-    mod = load("indexer.cu", IDX_FMT=_FMT[fmt], IDX_NQ=nq, IDX_STAGES=st, IDX_MAX_CHUNK_TILES=MAX_CHUNK_TILES)
-    smem = logits_smem_bytes(fmt, nq, st)
-    key = (fmt, nq, torch.cuda.current_device())
+                         f"provider), got {cfg.fmt!r}")
+    mod = load("indexer.cu", IDX_FMT=_FMT[cfg.fmt], IDX_NQ=cfg.next_n, IDX_STAGES=cfg.stages,
+               IDX_MAX_CHUNK_TILES=MAX_CHUNK_TILES)
+    key = (cfg.fmt, cfg.next_n, torch.cuda.current_device())
     k = mod.kernel("indexer_logits_kernel")
     if key not in _smem_set:
-        set_max_dynamic_smem(k, smem)
+        set_max_dynamic_smem(k, cfg.smem)
         _set_carveout(k)
         _smem_set.add(key)
-    return k, smem, ctas_per_sm(smem)
+    return k
 
 
 def _paged_format(problem) -> Support | None:
@@ -113,32 +139,31 @@ class CudaPagedLogits(_Base):
     describe = "indexer.cu indexer_logits_kernel (paged): exact BF16 WGMMA m64n(64*next_n)k16, cp.async page ring"
 
     def supports_problem(self, problem):
-        no = _paged_format(problem)
-        if no is not None:
-            return no
-        if problem["block_size"] % 64:
-            return Support.no(f"cuda: block_size {problem['block_size']} is not a multiple of 64")
-        if not 1 <= problem["next_n"] <= 4:
-            return Support.no(f"cuda: next_n {problem['next_n']} outside 1..4 (N = 64*next_n <= 256)")
-        return Support.yes("sm_90a, NVFP4 keys, block_size % 64 == 0, next_n <= 4")
+        from dsv4.ops.indexer import paged_support
+        return paged_support(problem, "cuda", _paged_format(problem), "sm_90a, NVFP4 keys, block_size % 64 == 0, "
+                             "next_n <= 4")
+
+    def config(self, problem, target=None):
+        """The :class:`LogitsConfig` ``run`` launches (:func:`logits_config`)."""
+        return logits_config(problem["fmt"], problem["next_n"])
 
     def run(self, problem, *, q_data, q_sf, w, cache, lens, block_table, q_global, k_global):
-        fmt = problem["fmt"]
         B, nn = q_data.shape[:2]
         max_ctx = problem["max_ctx"]
         out = torch.empty((B * nn, max_ctx), dtype=torch.float32, device=q_data.device)
         if B == 0:
             return out
-        kern, smem, ctas = _kernel(fmt, nn)
+        cfg = self.config(problem)
+        kern = _kernel(cfg)
         ntiles = -(-max_ctx // 64)
-        ct = decode_chunk_tiles(B, ntiles, ctas * _sm_count(q_data.device))
+        ct = decode_chunk_tiles(B, ntiles, cfg.ctas_per_sm * _sm_count(q_data.device))
         grid = (B, -(-ntiles // ct), 1)
         qg = q_global if q_global is not None else w
         kg = k_global if k_global is not None else w
         qsf = q_sf if q_sf.numel() else q_data
         launch(kern, grid, 128, q_data, qsf, w, qg, kg, cache, cache, lens, block_table, out,
                np.int32(B * nn), np.int32(max_ctx), np.int64(max_ctx), np.int32(ct), np.int32(cache.shape[1]),
-               np.int32(block_table.shape[1]), np.int32(nn), np.int32(cache.shape[0]), smem=smem)
+               np.int32(block_table.shape[1]), np.int32(nn), np.int32(cache.shape[0]), smem=cfg.smem)
         return out
 
 

@@ -13,6 +13,8 @@ No host sync, one launch per op.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -48,12 +50,53 @@ def _bs(cache: torch.Tensor, d: int) -> int:
     return cache.shape[1]
 
 
+@dataclass(frozen=True)
+class GatherConfig:
+    """``kv_gather_kernel`` launch: ``rows_per_warp`` output rows per warp (KVC_GATHER_RPW), 8 warps per CTA."""
+    rows_per_warp: int
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 8 * self.rows_per_warp
+
+    def __str__(self) -> str:  # what registry.last_choice("kv_gather").explain() shows
+        return f"256 threads/CTA, {self.rows_per_warp} row(s) per warp ({self.rows_per_cta} rows/CTA)"
+
+
+def gather_config() -> GatherConfig:
+    """The heuristic (one for every size): :data:`DEFAULTS` (a benchmark's :data:`VARIANT` overrides it)."""
+    return GatherConfig(_tune("KVC_GATHER_RPW"))
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    """Compressor launch: ``threads`` per CTA and ``entries_per_cta`` (mirrors the TPE / RS / EPC macros of
+    kv_cache.cu: ``d / 4`` threads per entry, 4 row slices for HCA, prefill packs entries into >= 128 threads)."""
+    threads: int
+    entries_per_cta: int
+
+    def __str__(self) -> str:  # what registry.last_choice("kv_compress_*").explain() shows
+        n = self.entries_per_cta
+        return f"{self.threads} threads/CTA, {n} entr{'ies' if n > 1 else 'y'}/CTA"
+
+
+def compress_config(d: int, ratio: int, prefill: bool) -> CompressConfig:
+    """The heuristic of both compressors (:class:`CompressConfig`)."""
+    tpe, rs = d // 4, (4 if ratio == 128 else 1)
+    epc = 1 if (tpe * rs >= 128 or not prefill) else 128 // (tpe * rs)
+    return CompressConfig(tpe * rs * epc, epc)
+
+
 class _Cuda(CudaProvider):
     pass
 
 
 class CudaKvGather(_Cuda):
     describe = "kv_cache.cu kv_gather_kernel: warp per row, block_table lookup + lens check, exact E4M3 -> BF16"
+
+    def config(self, problem, target=None):
+        """The :class:`GatherConfig` ``run`` launches (:func:`gather_config`)."""
+        return gather_config()
 
     def run(self, problem, *, cache, block_table, indices, lens, req_idx, swa_cache, swa_block_table, swa_indices,
             swa_lens):
@@ -71,30 +114,33 @@ class CudaKvGather(_Cuda):
                      np.int32(W))
         else:
             sargs = (_NULL, np.int32(1), np.int64(0), _NULL, np.int32(0), np.int32(0), _NULL, _NULL, np.int32(0))
-        per_cta = 8 * _tune("KVC_GATHER_RPW")
+        per_cta = self.config(problem).rows_per_cta
         launch(mod.kernel("kv_gather_kernel"), (rows + per_cta - 1) // per_cta, 256, cache, np.int32(bs), np.int64(cache.shape[0]),
                block_table, np.int32(block_table.shape[1]), np.int32(block_table.shape[0]), lens, indices, np.int32(K),
                *sargs, _ptr(req_idx), out, np.int64(T))
         return out
 
 
-def _threads(d: int, ratio: int, prefill: bool) -> tuple[int, int]:
-    """(threads per CTA, entries per CTA) -- mirrors the TPE/RS/EPC macros of kv_cache.cu."""
-    tpe, rs = d // 4, (4 if ratio == 128 else 1)
-    epc = 1 if (tpe * rs >= 128 or not prefill) else 128 // (tpe * rs)
-    return tpe * rs * epc, epc
+class _Compress(_Cuda):
+    prefill: bool
+
+    def config(self, problem, target=None):
+        """The :class:`CompressConfig` ``run`` launches (:func:`compress_config`)."""
+        return compress_config(problem["d"], problem["ratio"], self.prefill)
 
 
-class CudaKvCompressPrefill(_Cuda):
+class CudaKvCompressPrefill(_Compress):
     describe = ("kv_cache.cu kv_compress_prefill_kernel: thread group per entry, online per-channel softmax, "
                 "RMSNorm/RoPE/(Hadamard) + FP8 or MXFP4 quant, state tail CTAs")
+    prefill = True
 
     def run(self, problem, *, kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
             kv_state, score_state):
         d, ratio = problem["d"], problem["ratio"]
         T = kv.shape[0]
         B = cu_seqlens.shape[0] - 1
-        threads, epc = _threads(d, ratio, True)
+        cfg = self.config(problem)
+        threads, epc = cfg.threads, cfg.entries_per_cta
         n_entries = T // ratio
         n_entry_ctas = (n_entries + epc - 1) // epc
         nr = (2 if ratio == 4 else 1) * ratio
@@ -108,14 +154,15 @@ class CudaKvCompressPrefill(_Cuda):
                _ptr(kv_state), _ptr(score_state), np.int32(n_entry_ctas), np.float32(problem["eps"]))
 
 
-class CudaKvCompressDecode(_Cuda):
+class CudaKvCompressDecode(_Compress):
     describe = "kv_cache.cu kv_compress_decode_kernel: CTA per sequence, state append + prefill's pooling code"
+    prefill = False
 
     def run(self, problem, *, kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,
             kv_state, score_state):
         d, ratio = problem["d"], problem["ratio"]
         B = positions.shape[0]
-        threads, _ = _threads(d, ratio, False)
+        threads = self.config(problem).threads
         mod = _module(problem["fmt"], d, ratio, positions.dtype == torch.int64)
         launch(mod.kernel("kv_compress_decode_kernel"), B, threads, kv, score, ape, norm_weight, rope_cos_sin,
                np.int64(rope_cos_sin.shape[0]), positions, np.int32(B), block_table, np.int32(block_table.shape[1]),

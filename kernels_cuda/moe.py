@@ -4,9 +4,9 @@
 Where they run (:class:`_CudaMoEBase`.supports): the registry tries ``cuda`` first
 (``dsv4.ops.moe.GEMM_KINDS``) and this provider accepts exactly the decode-sized problems
 (``<= moe_decode.MAX_M`` rows per expert on average, :func:`kernels_cuda.moe_decode.default_config`),
-where the decode kernel is measured faster than the CuTe DSL grouped GEMM (kernels_dsl/moe.py; job
-moe-12: 1.4-1.6x at T=4..256). Prefill-sized groups go to ``dsl`` (which replaced the deleted
-``moe.cu`` prefill kernels; docs/benchmarks.md). Forcing ``cuda`` on a problem it declines raises
+where the decode kernel is faster than the CuTe DSL grouped GEMM (kernels_dsl/moe.py; numbers in
+docs/benchmarks.md, "MoE grouped GEMMs in CuTe DSL"). Prefill-sized groups go to ``dsl`` (which
+replaced the deleted ``moe.cu`` prefill kernels). Forcing ``cuda`` on a problem it declines raises
 ``ProviderUnavailableError``. The tunables of a call are :class:`kernels_cuda.moe_decode.DecodeConfig`
 (``config``; ``registry.last_choice(op).explain()``).
 """
@@ -39,12 +39,9 @@ class _CudaMoEBase(CudaProvider):
         if cfg is not None:
             return Support.yes(
                 f"cuda moe_decode.cu (swap-AB decode kernel, {cfg.nt}-token chunks, <= "
-                f"{moe_decode.MAX_M} rows per expert): preferred over dsl, measured faster there (job "
-                "moe-12, Flash MXFP4 W4A8 GEMM1 + GEMM2, cuda / dsl: T=4 186 / 281 us, T=64 1334 / 2038 us, "
-                "T=256 1729 / 2524 us)")
+                f"{moe_decode.MAX_M} rows per expert): faster than dsl at decode sizes (docs/benchmarks.md)")
         return Support.no(f"cuda: not decode-sized (> {moe_decode.MAX_M} rows per expert on average, or "
-                          f"N % 256 / K % 128 != 0): dsl serves it (the DSL grouped GEMM is faster "
-                          "than the deleted moe.cu prefill kernels for every class, jobs moe-12 / moe-13)")
+                          "N % 256 / K % 128 != 0): the DSL grouped GEMM is faster there and serves it")
 
     def _config_of_call(self, problem, R: int, E: int, N: int, K: int):
         cfg = moe_decode.default_config(R, E, N, K, problem["act"], problem["fmt"], self.stage)

@@ -2,7 +2,7 @@
 
 Not a provider module (no ``PROVIDERS``): the ``cuda`` providers of ``kernels_cuda/moe.py`` call
 :func:`default_config` in ``supports`` (they serve exactly the problems it configures, where this
-kernel is measured faster than the CuTe DSL grouped GEMM: job moe-12) and in ``run``. Same op
+kernel is faster than the CuTe DSL grouped GEMM: docs/benchmarks.md) and in ``run``. Same op
 semantics and outputs as the other providers (``moe_gemm1_swiglu``, ``moe_gemm2``).
 
 When it applies (:func:`default_config`): ``ceil(R / E) <= MAX_M`` where the providers pass as
@@ -34,7 +34,7 @@ __all__ = ["DecodeConfig", "default_config", "override", "gemm1_swiglu", "gemm2"
            "MAX_M"]
 
 #: largest average assignments per expert, ``ceil(R / E)``, sent to the decode kernel (the kernel
-#: chunks at most 16 tokens; above that the DSL grouped GEMM is faster, job moe-12)
+#: chunks at most 16 tokens; above that the DSL grouped GEMM is faster: docs/benchmarks.md)
 MAX_M = 16
 _UCAP_MAX = 1 << 16  # split-K units (and arrival counters) per launch
 _FMT = {"mxfp4": 0, "nvfp4": 1}

@@ -292,12 +292,11 @@ def launch(kernel: Any, grid: Iterable[int] | int, block: Iterable[int] | int, *
     ``griddepcontrol.wait`` before its first global access. A plan that records this run sees the launch
     through ``_launch_hook`` without the attribute and replays it plainly (same kernel, same result).
 
-    Two direct driver launches were measured against ``cuda.core.launch`` and deleted: ``cuLaunchKernel``
-    through ctypes with struct-packed parameters (24.7 vs 17.7 us for 8 arguments, job eager7-01) and
-    cuda.bindings' ``cuLaunchKernel`` / ``cuLaunchKernelEx`` with a parameter block built once per kernel
-    signature and one ``struct.pack_into`` per launch (H200, cuda-core 1.2.0, job eager8-01: 7.2 / 7.8 /
-    9.4 us for 3 / 8 / 18 arguments vs cuda.core's 6.4 / 7.6 / 9.7 us; both exact, cluster launches
-    and graph capture included).
+    Two direct driver launches were timed against ``cuda.core.launch`` and deleted, neither faster (both
+    exact, cluster launches and graph capture included; numbers in docs/benchmarks.md, "Eager host
+    overhead"): ``cuLaunchKernel`` through ctypes with struct-packed parameters, and cuda.bindings'
+    ``cuLaunchKernel`` / ``cuLaunchKernelEx`` with a parameter block built once per kernel signature and
+    one ``struct.pack_into`` per launch.
     """
     if _launch_hook is not None:                         # a plan records this run (dsv4/ops/_trace.py)
         _launch_hook(kernel, grid, block, args, smem, cluster)

@@ -9,14 +9,11 @@ the data.
 Order contract of ``sorted=False`` (the op's default since issue 15): ascending position (logical
 positions, before the block_table mapping), padding last -- a function of the selected set only,
 never of atomic arrival order, so bitwise the same across runs, launch configurations and the torch
-reference: register tiles of >= 4 CTAs store pass B in position order and the leader merges the two
+reference: register tiles of >= 8 CTAs store pass B in position order and the leader merges the two
 position-sorted runs (winners, selected threshold-bin candidates: a binary search per entry, ``TOPK_PRUN``);
 otherwise the leader orders its gathered selected set with a bitmap of the row's positions (one bit per
 entry, per-word prefix counts from one block scan; each entry's slot = the prefix of its word + the set
-bits below it). Measured and deleted (job
-topk8-01): every CTA of a register-resident cluster writing its own entries in position order after a
-second cluster barrier that distributes the threshold and per-CTA offsets -- slower than the leader's
-sort: [1, 129280] 15.8 us vs 15.7 sorted, [128, 8192] 12.2 vs 11.5, [32, 32768] 17.6 vs 15.5.
+bits below it). Measurements (and the variants measured and deleted): docs/benchmarks.md, top-k sections.
 
 Shape-adaptive, one op (:func:`default_config` returns a :class:`TopkConfig`): short rows: one CTA
 per row with the row in registers (``resident``: one global read); few or long rows: the smallest

@@ -7,8 +7,8 @@
 * On-disk cache: each compiled kernel is also exported (``compiled.export_to_c`` -> ``.o``; the
   CuTe ABI on the DSL's own call path, a TVM-FFI function on the fast one, below) under ``$DSV4_CACHE_DIR/dsl`` (default
   ``~/.cache/dsv4/dsl``) and reloaded with ``cute.runtime.load_module`` in later processes
-  (verified on the H200 2026-11-29: load 4-5 ms vs a fresh compile, bit-exact; a ``.o`` built
-  on a CPU machine with the cu12 wheel also loaded and ran under the GPU's cu13 bundle). The
+  (milliseconds instead of a compile, bit-exact; a ``.o`` built on a CPU machine with the cu12
+  wheel loads and runs under the GPU's cu13 bundle; docs/benchmarks.md). The
   key hashes the specialization key, the DSL version and every ``kernels_dsl/**/*.py`` source (sm90/ included);
   writes are atomic; an entry that fails to load is deleted and recompiled.
   ``DSV4_DSL_DISK_CACHE=0`` turns it off.
@@ -17,14 +17,14 @@
   is compiled with ``--enable-tvm-ffi`` (:func:`compile_options` adds it) and called with the torch
   tensors themselves: the compiled function checks each argument against its fake tensor in C
   (dtype, rank, symbolic / static extents, base-pointer alignment, device type; the strides of a
-  compact fake tensor are derived, not checked: a strided view is accepted, job eager7-01, so the
-  ops' spec validation stays the contiguity check) and raises a ``TypeError`` / ``ValueError``
+  compact fake tensor are derived, not checked: a strided view is accepted, so the ops' spec
+  validation stays the contiguity check) and raises a ``TypeError`` / ``ValueError``
   naming the argument, instead of the DSL's per-call Python conversion (``from_dlpack`` +
   ``mark_layout_dynamic`` per tensor, ``cutlass.Int32`` per scalar, argument packing). Providers
   build tensor arguments with :func:`dl`, scalars with :func:`i32` / :func:`i64` / :func:`f32`
   and launch with :func:`launch_on` / :func:`current_stream`, which follow the mode, so a
-  provider has no branch. H200 (jobs eager7-01..03): bit-exact with the DSL's own path,
-  graph-capturable, 2.5-4x less eager host time per DSL op (docs/benchmarks.md). The on-disk
+  provider has no branch. Bit-exact with the DSL's own path and graph-capturable; it cuts the eager
+  host time per DSL op several-fold (docs/benchmarks.md, "TVM-FFI DSL call path"). The on-disk
   cache holds TVM-FFI objects too (``export_to_c`` -> ``.o``, ``load_module(..., enable_tvm_ffi=True)``;
   the mode is part of the key; the reload is checked on the CPU, tests/test_dsl_cache.py). Without ``tvm_ffi`` the DSL's own call path is used.
   :func:`set_fast_call` switches (benchmarks: ``bench_eager.py --dsl-call dsl``, tests).
@@ -128,8 +128,8 @@ def tvm_ffi_available() -> Support:
 
 #: None: not decided yet (first use: on when :func:`tvm_ffi_available` and :data:`FAST_CALL_DEFAULT`)
 _FAST: bool | None = None
-#: the default of :func:`fast_call` where tvm_ffi imports (on: validated on the H200, jobs eager7-01 / eager7-02:
-#: bit-exact with the DSL's own path, graph-capturable, the DSL providers' GPU tests pass)
+#: the default of :func:`fast_call` where tvm_ffi imports (on: on the H200 it is bit-exact with the DSL's own
+#: path and graph-capturable, and the DSL providers' GPU tests pass on it)
 FAST_CALL_DEFAULT = True
 
 

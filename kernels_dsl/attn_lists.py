@@ -77,8 +77,9 @@ if _HAVE_DSL:
         * ``mPos``, ``mReq``: ``[T]`` Int32/Int64; ``mFirst``: ``[T]`` Int32/Int64 or ``None``
           (then ``first_s``, Int64);
         * ``mSwaBt`` Int32 ``[Rs, Ps]`` row-major (``swa_rows`` = Rs, 0 = empty table);
-        * ``mWs`` Int32 flat ``[T * window]``, ``mWl`` Int32 ``[T]`` (outputs, 16-byte aligned);
-        * CSA / HCA: ``mBt`` Int32 ``[R, P]`` (``rows`` = R), ``mCs`` Int32 flat ``[T * width]``,
+        * ``mWs`` Int32 ``[T, window]`` row-major, ``mWl`` Int32 ``[T]`` (outputs, 16-byte aligned;
+          written flat through their base pointers);
+        * CSA / HCA: ``mBt`` Int32 ``[R, P]`` (``rows`` = R), ``mCs`` Int32 ``[T, width]`` row-major,
           ``mCl`` Int32 ``[T]``; CSA also ``mEnt`` Int32 flat ``[T * width]`` (16-byte aligned)
           and ``mLensIn`` ``[T]`` Int32/Int64 or ``None`` (then ``lens = width``);
         * ``ring``: Int64, 0 = linear window; ``swa_nb`` / ``nb``: pages of each cache (2^63 - 1 =
@@ -253,14 +254,16 @@ if _HAVE_DSL:
 
         @cute.jit
         def _store4(self, st16, mOut: cute.Tensor, rS: cute.Tensor, e0: Int32, N: Int32):
-            """Elements ``e0 .. e0 + 3`` of a flat int32 output: one 16-byte store, scalar at the tail."""
+            """Elements ``e0 .. e0 + 3`` of an int32 output seen flat (``N`` elements from its base pointer;
+            a row-major 2-D output too): one 16-byte store, scalar at the tail."""
+            gF = cute.make_tensor(mOut.iterator, cute.make_layout(N))
             if e0 + 4 <= N:
-                gO = cute.zipped_divide(cute.make_tensor(mOut.iterator, cute.make_layout(N)), (4,))
+                gO = cute.zipped_divide(gF, (4,))
                 cute.copy(st16, rS, gO[(None, e0 // 4)])
             else:
                 for i in cutlass.range_constexpr(4):
                     if e0 + i < N:
-                        mOut[e0 + i] = rS[i]
+                        gF[e0 + i] = rS[i]
 
 
 # ---------------------------------------------------------------------------------- compile
@@ -272,13 +275,16 @@ def _fake(kind: str, pos: str, req: str, first: Optional[str], lens: Optional[st
     mfirst = make_fake_compact_tensor(_dtype(first), (t,), assumed_align=_ALIGN[first]) if first else None
     swa_bt = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="RS"), cute.sym_int32(symbol="PS")),
                                       stride_order=(1, 0), assumed_align=4)
-    ws = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="NW"),), assumed_align=16)
+    # the outputs as allocated ([T, window], [T, width] row-major): the kernel only takes their base pointers
+    ws = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="WT"), cute.sym_int32(symbol="WW")),
+                                  stride_order=(1, 0), assumed_align=16)
     wl = make_fake_compact_tensor(Int32, (t,), assumed_align=16)
     ent = lens_in = bt = cs = cl = None
     if kind != "swa":
         bt = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="R"), cute.sym_int32(symbol="P")),
                                       stride_order=(1, 0), assumed_align=4)
-        cs = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="NC"),), assumed_align=16)
+        cs = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="CT"), cute.sym_int32(symbol="CW")),
+                                      stride_order=(1, 0), assumed_align=16)
         cl = make_fake_compact_tensor(Int32, (t,), assumed_align=16)
         if kind == "csa":
             ent = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="NE"),), assumed_align=16)
@@ -380,9 +386,9 @@ class DslAttnLists(DslProvider):
                _dt(lens) if lens_t is not None else None, arch)
         fn = compile_cached(key, lambda: _compile(kind, key[2], key[3], key[4], key[5], arch))
         args = (_dl(positions.contiguous(), _ALIGN[key[2]]), _dl(req_idx.contiguous(), _ALIGN[key[3]]), first_t,
-                swa_t, _dl(ws.view(-1), 16),
+                swa_t, _dl(ws if ws.numel() else dummy.view(1, 4), 16),
                 _dl(wl, 16), ent_t, lens_t, bt_t,
-                None if kind == "swa" else _dl(cs.view(-1) if K else dummy, 16),
+                None if kind == "swa" else _dl(cs if cs.numel() else dummy.view(1, 4), 16),
                 None if kind == "swa" else _dl(cl, 16),
                 _i32(window), _i64(ring), _i64(first_scalar), _i64(swa_block_size), _i64(_pages(swa_num_blocks)),
                 _i32(swa_rows), _i32(K), _i64(block_size), _i64(_pages(num_blocks)), _i32(rows), _i64(ratio),

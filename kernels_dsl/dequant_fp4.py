@@ -63,11 +63,8 @@ class DequantFp4Config:
 
 
 #: the configuration the provider launches (bench/bench_dequant_fp4.py times others through
-#: :data:`VARIANT`). Measured on the H200, 2026-12-01 (job mem2-01, 8192^2, CUDA-graph replay, copy
-#: BW 4251 GB/s): 128 threads x 1 tile 46.4 us bf16 / 82.6 us fp32 (mxfp4) beat 256 x 2 (47.8 / 85.0),
-#: 256 x 4 (48.9 / 85.1) and the persistent 256 x 2 at 8 CTAs/SM (49.6 / 89.2). Re-swept with PDL (job quant9-01,
-#: mxfp4 -> bf16, graphs of 24 calls): 128 x 1 44.0-44.1 us, 256 x 1 44.2, 512 x 1 44.2, 128 x 2 44.9, 128 x 4 45.9,
-#: persistent 256 x 2 at 8 CTAs/SM 47.8.
+#: :data:`VARIANT`): 128 threads x 1 tile, the fastest of the launch geometries swept at 8192^2 with and
+#: without PDL (docs/benchmarks.md, "dequant_fp4").
 DEFAULT_CONFIG = DequantFp4Config()
 #: benchmark hook: ``{"config": DequantFp4Config(...)}`` overrides the default; empty in production
 VARIANT: dict = {}
@@ -261,13 +258,6 @@ def compile_check(dump_dir: Optional[str] = None, arch: str = "sm_90a") -> dict[
         dump_dir, arch)
 
 
-#: why this provider is the default (the registry prefers the provider measured faster; the cuda
-#: kernel it beat at every measured size was deleted)
-MEASURED = ("H200 2026-12-02 (job quant9-02, CUDA graphs of 24 calls, PDL): 8192^2 mxfp4 -> bf16 44.1 us (90.6% of "
-            "copy BW), nvfp4 -> bf16 44.7 us (90.6%); 2026-12-01 (mem2-02): -> fp32 82.3 us, the deleted cuda kernel "
-            "52.4 / 138.0 us")
-
-
 class DslDequantFp4(DslProvider):
     describe = ("CuTe DSL DequantFp4Kernel: prmt byte-LUT E2M1 decode, 16 B ld.global.nc, smem transpose, "
                 "512 B-contiguous 16 B warp stores (bf16 and fp32)")
@@ -279,7 +269,7 @@ class DslDequantFp4(DslProvider):
             return Support.no(f"dsl: out_dtype {problem.get('out_dtype')} not in {sorted(_OUT_DSL)}")
         if problem["K"] % 32:
             return Support.no(f"dsl: K={problem['K']} is not a multiple of 32 (one 16-byte chunk = 32 values per thread)")
-        return Support.yes("sm_90a, K % 32 == 0; " + MEASURED)
+        return Support.yes("sm_90a, K % 32 == 0, bf16 / fp32 out (timings: docs/benchmarks.md)")
 
     def config(self, problem, target=None):
         """The :class:`DequantFp4Config` ``run`` launches (one for every size)."""

@@ -49,6 +49,7 @@ try:  # the DSL is optional at import time
     from cutlass.tensor_utils import LayoutEnum
     from cutlass import Float8E4M3FN, Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
+    from .sm90.scheduler import cta_ids
     _HAVE_DSL = True
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
@@ -167,11 +168,7 @@ if _HAVE_DSL:
         def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                    mC: cute.Tensor, tma_c: cute.CopyAtom, tC: cute.Tensor, tiled_mma: cute.TiledMma,
                    sA_l: cute.ComposedLayout, sB_l: cute.ComposedLayout, sC_l: cute.ComposedLayout):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+            tidx, bidx, gdim, warp_idx, wg_idx = cta_ids()
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_a)
                 cpasync.prefetch_descriptor(tma_b)
@@ -468,7 +465,7 @@ def fp8_gemm(a, b, *, out_dtype=None, out=None, tile_n: int = 256, num_ctas: Opt
         cluster_m: 1 (default) or 2: CTA pairs along M share the B tile through TMA multicast.
         epilogue: ``"tma"`` (default for bf16: stmatrix -> swizzled smem ring -> asynchronous
             TMA stores) or ``"direct"`` (default and only choice for fp32: accumulator
-            registers -> global stores). On the H200 ``"tma"`` is 1.0-1.5x faster (2026-11-29).
+            registers -> global stores). ``"tma"`` is the faster one (docs/benchmarks.md).
 
     Returns:
         ``C`` ``[M, N]`` = ``sum_k float(a[m, k]) * float(b[n, k])`` accumulated in fp32 by the

@@ -14,7 +14,7 @@
 * ``indexer_topk_paged`` (decode selection): :class:`DslTopkPaged` -- the decode logits kernel, then
   the ``topk`` op (kernels_cuda/topk.cu), no host sync. Bitwise the two ops in sequence. (The fused
   variant -- a selection-histogram epilogue in the logits kernel + a histogram-fed select kernel --
-  only tied this on the H200 and was deleted: docs/benchmarks.md, job topk9-01.)
+  only tied this on the H200 and was deleted: docs/benchmarks.md.)
 
 GPU validation runs, precision and timings of every path: docs/benchmarks.md ("Lightning Indexer").
 
@@ -43,7 +43,8 @@ from ._compile import (DslProvider, compile_cached, compile_options, compile_var
                        launch_on)
 
 __all__ = ["PagedConfig", "paged_config", "paged_smem_bytes", "DslPagedLogits", "DslLogits", "prefill_logits_dsl",
-           "DslTopkPaged", "PREFILL_FORMATS", "PROVIDERS", "compile_check", "PTX_PATTERNS"]
+           "DslTopkPaged", "PREFILL_FORMATS", "PrefillConfig", "prefill_config", "PROVIDERS", "compile_check",
+           "PTX_PATTERNS"]
 
 #: what every compiled decode variant's PTX contains (tests/test_compile_dsl.py)
 PTX_PATTERNS = (r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3",
@@ -81,13 +82,14 @@ def paged_config(fmt: str, next_n: int) -> PagedConfig:
     fits that many CTAs in 228 KiB.
 
     * MXFP4 next_n 1: 4 CTAs (96 registers: accumulator + two A fragments + weights, no spills;
-      job decode-02: 40.3 us vs 42.1 us with 3 at B = 32 x 32768, 147 vs 154 us at B = 128).
-      Validated on the H200 with these configs: job decode-03 (``pytest -m gpu
-      tests/test_indexer_dsl.py -k paged``: 13 passed; logits bitwise those of the previous configs).
-    * FP8 next_n 1: 3 (4 would leave 4 ring stages: no gain, decode-02).
+      faster than 3 at B = 32 and 128 x 32768).
+    * FP8 next_n 1: 3 (4 would leave 4 ring stages: no gain).
     * next_n >= 2: 3 with the head weights re-read from smem per tile (``w_regs`` off, 128
-      registers) when at least 4 ring stages fit (MXFP4 next_n 2: 59.4 vs 63.4 us with 2, next_n 4:
-      96.1 vs 106.7 us; FP8 next_n 2: 51.1 vs 52.4 us; jobs decode-01 / -02), else 2 (FP8 next_n 3, 4).
+      registers) when at least 4 ring stages fit (faster than 2 for MXFP4 next_n 2 / 4, FP8 next_n 2),
+      else 2 (FP8 next_n 3, 4).
+
+    Timings of each choice and the GPU validation of these configs: docs/benchmarks.md (the paged
+    indexer decode kernel section).
     """
     def stages_for(ctas: int) -> int:
         budget = min(MAX_SMEM_PER_CTA, SMEM_PER_SM // ctas - 2048)
@@ -175,14 +177,9 @@ class DslPagedLogits(_DslBase):
                 "FP4->FP8 fold, WGMMA m64n64k32 E4M3, ReLU x w head sum")
 
     def supports(self, problem, target):
-        no = self._target(problem, target)
-        if no is not None:
-            return no
-        if problem["block_size"] % 64:
-            return Support.no(f"dsl: block_size {problem['block_size']} is not a multiple of 64")
-        if not 1 <= problem["next_n"] <= 4:
-            return Support.no(f"dsl: next_n {problem['next_n']} outside 1..4")
-        return Support.yes("sm_90a, MXFP4 / FP8 keys, block_size % 64 == 0, next_n 1..4")
+        from dsv4.ops.indexer import paged_support
+        return paged_support(problem, "dsl", self._target(problem, target),
+                             "sm_90a, MXFP4 / FP8 keys, block_size % 64 == 0, next_n 1..4")
 
     def config(self, problem, target=None):
         """The :class:`PagedConfig` ``run`` launches (:func:`paged_config`)."""
@@ -219,6 +216,26 @@ class DslPagedLogits(_DslBase):
         return out
 
 
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Prefill kernel specialization: the WGMMA ``operand`` (``"e4m3"``: MXFP4 rows folded to E4M3 with a
+    per-row scale, ``row_scales``; ``"bf16"``: FP8 / NVFP4 values widened exactly) and the key format."""
+    fmt: str
+    operand: str
+    row_scales: bool
+
+    def __str__(self) -> str:  # what registry.last_choice("indexer_logits").explain() shows
+        how = "rows folded to E4M3 (one launch for q and K) + per-row scales" if self.row_scales else "widened exactly"
+        return f"{self.fmt} keys, {self.operand.upper()} WGMMA operand ({how}), persistent grid <= SMs"
+
+
+def prefill_config(fmt: str, operand: str | None = None) -> PrefillConfig:
+    """The heuristic: MXFP4 -> E4M3 operand (exact products), FP8 / NVFP4 -> BF16 (full FP32 accumulation; the
+    FP8 WGMMA keeps too few accumulator bits for FP8 keys, see :func:`prefill_logits_dsl`); ``operand`` forces one."""
+    operand = operand or ("e4m3" if fmt == "mxfp4" else "bf16")
+    return PrefillConfig(fmt, operand, fmt == "mxfp4")
+
+
 def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxfp4", operand: str | None = None,
                        q_global=None, k_global=None):
     """Prefill indexer logits on the DSL kernels (kernels_dsl/indexer_prefill.py); same arguments
@@ -232,19 +249,19 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
     ``q_global * k_global`` (float32 [1] each, required, > 0) applied per key after the head sum; FP8 keys through the
     FP8 WGMMA, ``operand="e4m3"``, keep only ~14 accumulator bits: 2.28e-3 x the row max on short
     rows in job idx-11, outside the op's 2e-3 contract). The ``dsl`` provider of ``indexer_logits``
-    (:class:`DslLogits`) calls this for every format. A few launches
-    (operand conversion of q and K, then the GEMM kernel); no host sync, graph-capturable.
+    (:class:`DslLogits`) calls this for every format. MXFP4: two launches (q and K rows to
+    E4M3 in one, then the GEMM kernel); no host sync, graph-capturable.
     """
     import torch
     from cutlass import Float8E4M3FN
 
     from dsv4.target import Target
 
-    from .indexer_fp8_rows import mxfp4_rows_to_fp8
+    from .indexer_fp8_rows import mxfp4_rows_to_fp8_pair
     from .indexer_prefill import QUNIT, compile_prefill
     if fmt not in PREFILL_FORMATS:
         raise ValueError(f"prefill_logits_dsl: fmt must be one of {PREFILL_FORMATS}, got {fmt!r}")
-    operand = operand or ("e4m3" if fmt == "mxfp4" else "bf16")
+    operand = prefill_config(fmt, operand).operand
     if (fmt, operand) not in (("mxfp4", "e4m3"), ("fp8", "e4m3"), ("fp8", "bf16"), ("nvfp4", "bf16")):
         raise ValueError(f"prefill_logits_dsl: operand {operand!r} is not offered for fmt={fmt!r} "
                          "(mxfp4: 'e4m3'; fp8: 'bf16' or 'e4m3'; nvfp4: 'bf16')")
@@ -255,8 +272,7 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
     if T == 0 or S == 0:
         return out
     if fmt == "mxfp4":
-        qa, qsc = mxfp4_rows_to_fp8(q_data.reshape(T * 64, 64), q_sf.reshape(T * 64, 4))
-        ka, ksc = mxfp4_rows_to_fp8(k_data, k_sf)
+        qa, qsc, ka, ksc = mxfp4_rows_to_fp8_pair(q_data.reshape(T * 64, 64), q_sf.reshape(T * 64, 4), k_data, k_sf)
         qsc = qsc.view(T, 64)
     elif fmt == "nvfp4":         # exact: E2M1 x E4M3 block scale has <= 6 significant bits
         from dsv4.ops.dequant_fp4 import dequant_fp4
@@ -292,14 +308,9 @@ def prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, *, fmt: str = "mxf
     return out
 
 
-#: Prefill validation on the H200, 2026-12-01 (every format of :data:`PREFILL_FORMATS`): MXFP4 jobs
-#: idx-11 / idx-12 (max error 4.5e-7 x row max vs fp64 on the same values, recall (b) identical to the
-#: exact CUDA path, graph capture, tests/test_indexer.py's prefill / recall / cosine gates with it as the
-#: default); FP8 keys on the BF16-operand variant job idx-14 (3.0e-7 packed sequences, 3.3e-7 short
-#: rows, graph capture); NVFP4 keys on the same BF16 variant job lead-38 (the op's prefill, exhaustive
-#: E2M1 and out-of-range gates of tests/test_indexer.py through the registry, 7.0e-7 max relative
-#: difference to the exact CUDA kernel it replaced, 1.48x faster at 8192 x 16384 causal); all of it
-#: again on the final tree, job lead-39.
+#: Prefill validation on the H200 (every format of :data:`PREFILL_FORMATS`; errors vs fp64, recall and cosine
+#: gates, graph capture): tests/test_indexer.py / tests/test_indexer_dsl.py ``-m gpu``; the measured errors and
+#: timings are in docs/benchmarks.md (the prefill indexer sections).
 
 
 class DslLogits(_DslBase):
@@ -318,9 +329,14 @@ class DslLogits(_DslBase):
                                "in the epilogue")
         return Support.yes("sm_90a, MXFP4 keys (E2M1 folded to E4M3: exact products; FP32 promotion of the row scales)")
 
+    def config(self, problem, target=None):
+        """The :class:`PrefillConfig` ``run`` launches (:func:`prefill_config`)."""
+        return prefill_config(problem["fmt"])
+
     def run(self, problem, *, q_data, q_sf, w, k_data, k_sf, ks, ke, q_global, k_global):
-        return prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, fmt=problem["fmt"], q_global=q_global,
-                                  k_global=k_global)
+        cfg = self.config(problem)
+        return prefill_logits_dsl(q_data, q_sf, w, k_data, k_sf, ks, ke, fmt=cfg.fmt, operand=cfg.operand,
+                                  q_global=q_global, k_global=k_global)
 
 
 #: the order of ``indexer_topk_paged``: its contract (dsv4/ops/indexer.py, and the torch provider's
@@ -334,7 +350,7 @@ class DslTopkPaged(DslPagedLogits):
     (kernels_cuda/topk.cu) on the logits -- bitwise the two ops in sequence (score desc, ties by lower
     index, -1 padding, block_table mapping, deterministic), no host sync, graph-capturable.
 
-    Measured and deleted (issue 15, job topk9-01 on the H200): the fused variant -- the logits kernel
+    Measured and deleted (issue 15, on the H200): the fused variant -- the logits kernel
     with a selection-histogram epilogue (shared bucket counts per stored logit, a global flush per
     sequence) and a select kernel fed by that histogram (no histogram pass; 16 CTAs per row, a global
     ticket, one memset) -- was never more than on par with this path (docs/benchmarks.md)."""

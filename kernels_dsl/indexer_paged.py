@@ -285,7 +285,8 @@ if _HAVE_DSL:
             in the fp32 exponent field; one branch for both keys takes the exact LUT / UE8M0
             conversion when a block sits more than 5 binades below its row maximum or ``E`` is
             outside ``[7, 254]`` (rare). The E2M1 decode: :func:`fp4.e2m1x8_to_e4m3x8_sm` (9 integer
-            instructions per 8 codes). Bit-identical to the per-key exact fold (job decode-01)."""
+            instructions per 8 codes). Bit-identical to the per-key exact fold (GPU tests:
+            tests/test_indexer_dsl.py)."""
             selc = Uint32(0x4440) + Uint32(c)      # prmt selector: byte c, zero-extended
             es = [Int32(0), Int32(0)]
             ds = [Int32(0), Int32(0)]

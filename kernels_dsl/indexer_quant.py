@@ -25,7 +25,7 @@ MX non-finite block rule); contracts docs/layouts/indexer_cache_write.md / index
   block_size)`` are skipped; the page division is the host's magic multiply, :func:`slot_magic`);
   ``indexer_q_quant`` writes ``q_data`` / ``q_sf`` rows and ``w_out`` (FP8: ``w * s``).
 
-Plans (:func:`plan`, measured on the H200: :data:`PLAN_LARGE`, :data:`MEASURED`): 16 lanes, one step, 4 CTAs per
+Plans (:func:`plan`, measured on the H200: docs/benchmarks.md): 16 lanes, one step, 4 CTAs per
 SM while that grid fits one wave (decode sizes: the shortest chain per row); 4 lanes, one step, 8 CTAs per SM above
 (about 650 SASS instructions per lane and row with the packed-bf16 MXFP4 encoder = 2600 per row; the former 8-lane
 kernel needed about 4800 and was issue-bound at 45% of copy bandwidth).
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from dsv4.registry import Support
 
 from ._compile import DslProvider, compile_cached, compile_options, compile_variants, i32, i64, launch_on
+from .quantize import _sms
 from .sm90.ptx import slot_magic
 
 try:
@@ -439,12 +440,8 @@ def _fn(cfg, dev):
 #: the plan); empty in production
 VARIANT: dict = {}
 
-#: (lanes, groups, CTAs per SM) of the plans. H200, jobs kv9-01 / kv9-02 (CUDA-graph us, bit-exact): 8 x 32768 MXFP4
-#: keys, random slots: the former 8-lane kernel 44.3 us; 4 lanes, 1 step: 8 CTAs 33.5 (6 / 10 / 16 CTAs 35.3 / 38.7 /
-#: 33.6, 2 steps 35.4-37.3), with the fp32 E2M1 encoder 37.2; 2 lanes 45.7-47.8; 8 lanes 61.4 (kv9-01). NVFP4 likes 6
-#: CTAs (38.5 vs 41.0 us), FP8 8 (48.0 vs 49.3). 16384 rows (cache / q): 8 lanes 4.37 / 4.10 us (MXFP4) vs 4 lanes
-#: 4.52-4.80, 16 lanes 4.99-5.36. Decode sizes (128 keys, q T=1): 16 lanes (MXFP4 / NVFP4 / FP8 1.81 / 1.91 / 1.90 and
-#: 1.73 / 1.88 / 1.80 us; 4 lanes 2.3-3.3).
+#: (lanes, groups, CTAs per SM) of the plans: the measured winners of the lane / step / CTA sweeps at prefill and
+#: decode sizes (H200, CUDA-graph us, bit-exact; docs/benchmarks.md, "kv_cache_append and the indexer quantizers").
 PLAN_SMALL = (16, 1, 4)
 PLAN_MID = (8, 1, 8)
 PLAN_LARGE = {"mxfp4": (4, 1, 8), "nvfp4": (4, 1, 6), "fp8": (4, 1, 8)}
@@ -461,34 +458,35 @@ def plan(rows: int, sms: int, fmt: str = "mxfp4") -> tuple[int, int, int]:
     return PLAN_LARGE[fmt]
 
 
-def _grid(rows: int, cfg: IndexerQuantConfig, dev, per_sm: int) -> int:
-    from .quantize import _sms
+def _grid(rows: int, cfg: IndexerQuantConfig, sms: int, per_sm: int) -> int:
     need = -(-rows // ((32 // cfg.lanes) * cfg.groups * cfg.warps))
-    return max(1, min(need, _sms(dev) * VARIANT.get("ctas_per_sm", per_sm)))      # persistent: grid-stride rows
+    return max(1, min(need, sms * VARIANT.get("ctas_per_sm", per_sm)))      # persistent: grid-stride rows
 
 
-def _cfg(fmt: str, hadamard: bool, cache: bool, slot64: bool, rows: int, dev) -> tuple[IndexerQuantConfig, int]:
-    """(config, grid) of a problem: :func:`plan`, or the :data:`VARIANT` overrides."""
-    from .quantize import _sms
-    lanes, groups, per_sm = plan(rows, _sms(dev), fmt)
+def _cfg(fmt: str, hadamard: bool, cache: bool, slot64: bool, rows: int, sms: int) -> tuple[IndexerQuantConfig, int]:
+    """(config, grid) of a problem on ``sms`` SMs: :func:`plan`, or the :data:`VARIANT` overrides."""
+    lanes, groups, per_sm = plan(rows, sms, fmt)
     cfg = IndexerQuantConfig(fmt, hadamard, cache, slot64, VARIANT.get("lanes", lanes), VARIANT.get("groups", groups),
                              VARIANT.get("warps", 4), VARIANT.get("min_blocks", 0), VARIANT.get("bf16_mx", True))
-    return cfg, _grid(rows, cfg, dev, per_sm)
+    return cfg, _grid(rows, cfg, sms, per_sm)
 
 
-#: Ops whose DSL kernel passed the bit-exact H200 checks (this kernel: job kv9-02, tests/test_indexer_quant.py -m gpu:
-#: every format x Hadamard x slot dtype, skipped / out-of-range slots, NaN / Inf rows, extreme magnitudes and exponent
-#: spreads, the plans and the other geometries); False: never a default, never forced.
+#: Ops whose DSL kernel passed the bit-exact H200 checks (tests/test_indexer_quant.py -m gpu: every format x
+#: Hadamard x slot dtype, skipped / out-of-range slots, NaN / Inf rows, extreme magnitudes and exponent spreads, the
+#: plans and the other geometries); False: never a default, never forced.
 VALIDATED = {"indexer_cache_write": True, "indexer_q_quant": True}
-#: H200, job kv9-02 (CUDA-graph us, dsl / the deleted CUDA indexer_quant_kernel, Hadamard on, random slots, copy BW
-#: 4252 GB/s): cache write 8 x 32768 keys MXFP4 33.5 / 99.1, FP8 48.0 / 72.8, NVFP4 41.0 / 96.9 (38.5 at 6 CTAs); 128
-#: keys 1.81 / 2.13, 1.90 / 2.05, 1.91 / 1.99; 1024 keys 2.01 / 2.38, 2.06 / 2.16, 2.04 / 2.13; q quant T=1 1.73 / 1.95,
-#: 1.80 / 1.88, 1.88 / 1.84; T=64 2.28 / 2.97, 2.50 / 2.54, 2.42 / 2.91; T=4096 33.2 / 87.7, 48.3 / 63.1, 39.7 / 84.7.
-MEASURED = ("H200 kv9-02: at or below the deleted CUDA quantizer at every size (decode 1.7-2.1 us vs 1.8-2.4, within "
-            "0.04 us at NVFP4 q T=1), 1.3-3.0x faster at prefill sizes (8x32k MXFP4 keys 33.5 vs 99.1 us)")
+#: why this provider is the default (timings: docs/benchmarks.md, "kv_cache_append and the indexer quantizers")
+WHY_FIRST = ("at or below the deleted CUDA quantizer at every measured size, 1.3-3.0x faster at prefill sizes; "
+             "timings: docs/benchmarks.md")
 
 
 class _Base(DslProvider):
+    def config(self, problem, target):
+        """The :class:`IndexerQuantConfig` of the problem's row class (:func:`_cfg`, the one heuristic ``run`` calls
+        with its exact row count: the plan at a class boundary may differ)."""
+        cache = self.op.name == "indexer_cache_write"
+        return _cfg(problem["fmt"], problem["hadamard"] in (True, 1), cache, True, problem["rows"], target.sm_count)[0]
+
     def _gate(self, problem):
         """Validated on the H200 (:data:`VALIDATED`), else not offered."""
         if not VALIDATED[self.op.name]:
@@ -502,7 +500,7 @@ class DslCacheWrite(_Base):
 
     def supports_problem(self, problem):
         no = self._gate(problem)
-        return no if no is not None else Support.yes(f"sm_90a, every format, hadamard or not ({MEASURED})")
+        return no if no is not None else Support.yes(f"sm_90a, every format, hadamard or not ({WHY_FIRST})")
 
     def run(self, problem, *, cache, k, slot_mapping, global_scale):
         n = k.shape[0]
@@ -512,7 +510,7 @@ class DslCacheWrite(_Base):
         if nb * bs >= 1 << 31:
             raise ValueError(f"indexer_cache_write (dsl): num_blocks * block_size = {nb * bs} must be < 2^31")
         cfg, grid = _cfg(problem["fmt"], problem["hadamard"] in (True, 1), True, slot_mapping.dtype.itemsize == 8, n,
-                         k.device)
+                         _sms(k.device))
         g = global_scale if global_scale is not None else k
         dm, dsh = slot_magic(bs)
         launch_on(k.device, _fn(cfg, k.device), i64(k.data_ptr()), i64(slot_mapping.data_ptr()), i64(g.data_ptr()),
@@ -526,7 +524,7 @@ class DslQQuant(_Base):
 
     def supports_problem(self, problem):
         no = self._gate(problem)
-        return no if no is not None else Support.yes(f"sm_90a, every format, hadamard or not ({MEASURED})")
+        return no if no is not None else Support.yes(f"sm_90a, every format, hadamard or not ({WHY_FIRST})")
 
     def run(self, problem, *, q, w, global_scale):
         from dsv4.ops.indexer import q_quant_outputs
@@ -535,7 +533,7 @@ class DslQQuant(_Base):
         rows = q.shape[0] * 64
         if rows == 0:
             return q_data, q_sf, w_out
-        cfg, grid = _cfg(fmt, problem["hadamard"] in (True, 1), False, True, rows, q.device)
+        cfg, grid = _cfg(fmt, problem["hadamard"] in (True, 1), False, True, rows, _sms(q.device))
         g = global_scale if global_scale is not None else w
         sfp = q_sf if fmt != "fp8" else q_data
         launch_on(q.device, _fn(cfg, q.device), i64(q.data_ptr()), i64(0), i64(g.data_ptr()), i64(q_data.data_ptr()),

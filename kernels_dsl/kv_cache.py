@@ -91,17 +91,9 @@ class KvGatherConfig:
     l2_prefetch: int = 0
 
 
-#: defaults = the measured winners (H200, CUDA-graph replay). Append, prefill 32k tokens, random slots of a 76 MB
-#: cache (job kv9-01, 2026-12-02, copy BW 4278 GB/s, bit-exact): this kernel 15.40 us = 80.4% of copy BW (whole pages
-#: in random order 14.78 = 83.8%; 128 / 256 / 512 threads equal), the former one (fp32 NaN-aware amax, signed 64-bit
-#: page division and offsets: ~300 SASS per lane and token) 18.61; the same bytes and slots moved by a plain copy
-#: kernel 15.83 (78.2%), with sequential slots 14.58 (84.9%), a linear copy 13.96 (88.7%); decode B=128 1.77 us (former
-#: 2.21, cuda 2.60). Gather decode B=128
-#: (128 + 512 rows): (rows, group) (8, 2) 39.5 us, (16, 4) 41.0, (32, 4) 41.0, (32, 8) 39.9 (mem2-01),
-#: (4, 2) 37.6 (82.5% of copy BW, mem2-02); prefill 8 x (128 + 8192): 30.4 / 30.4 / 30.6 / 30.7, (4, 2) 28.2
-#: (89.6%). (4, 2) as the default, job mem7-01: decode 37.0 us (83.9%), prefill 28.2 (89.4%); GPU gather tests passed.
-#: (2, 2) (job kvmem8-01, bit-identical): decode 36.2 us (85.1%), prefill 27.4 (91.6%) vs (4, 2) 37.2 / 28.0, (4, 4)
-#: 36.8 / 28.0, 256 threads 37.1 / 28.1, .L2::128B 37.5 / 28.1, (4, 1) 38.1 / 28.8: the default since kvmem8-01.
+#: defaults = the measured winners (H200, CUDA-graph replay, bit-exact; the sweeps of both kernels' geometries are in
+#: docs/benchmarks.md: "kv_cache_append and the indexer quantizers" (ninth session) and "indexer quantizers on an
+#: fp32 Hadamard contract, kv_cache_append, kv_gather" (eighth session)).
 DEFAULT_APPEND = KvAppendConfig()
 DEFAULT_GATHER = KvGatherConfig()
 #: benchmark hook ({"append": KvAppendConfig(..), "gather": KvGatherConfig(..)}); empty in production
@@ -519,12 +511,11 @@ def _words(t):
     return _u32(t), 1
 
 
-#: why these providers come before cuda (the registry takes the first that supports a problem)
-MEASURED = {
-    "kv_cache_append": "H200 2026-12-02 (job kv9-01): prefill 32k random slots 15.4 us (80.4% of copy BW) vs cuda 21.3 us, "
-                       "decode B=128 1.77 vs 2.60 us",
-    "kv_gather": "H200 2026-12-01 (job mem2-02): decode B=128 (128 + 512 rows) 39.2 us vs cuda 40.3 us, "
-                 "prefill 8 x (128 + 8192) 32.6 vs 32.7 us",
+#: why these providers come before cuda (the registry takes the first that supports a problem; timings:
+#: docs/benchmarks.md, "kv_cache_append and the indexer quantizers" and the kv_gather sections)
+WHY_FIRST = {
+    "kv_cache_append": "faster than the deleted cuda kernel at every measured size (docs/benchmarks.md)",
+    "kv_gather": "at or below the cuda provider at the measured decode / prefill sizes (docs/benchmarks.md)",
 }
 
 
@@ -534,7 +525,7 @@ def _fmt_ok(problem, op: str) -> Support:
     if op == "kv_gather" and not problem.get("i32", True):
         return Support.no("dsl: a cache or output over 2^31 32-bit words (8 GiB): the flat extents are int32 "
                           "(the cuda provider runs it)")
-    return Support.yes("sm_90a; " + MEASURED[op])
+    return Support.yes("sm_90a; " + WHY_FIRST[op])
 
 
 class _KvDsl(DslProvider):

@@ -6,8 +6,9 @@ kernel, then the top-k kernel), no host sync, CUDA-graph capturable; every size 
 runtime value (``cute.sym_int``), so one compile serves all token counts.
 
 * :class:`RouteKernel` (``moe_route``): the gate GEMM ``logits = x_fp32 @ Wg_fp32^T``, then one
-  warp per token. Where measured not slower on the device (:func:`gate_fused`: fp32 gate weights,
-  ``8 <= T <= GATE_MAX_T``; any decode size with ``set_gate_fused(True)``) the gate GEMM runs inside
+  warp per token. Where measured not slower on the device (:func:`gate_fused`: fp32 gate weights at
+  ``8 <= T <= GATE_MAX_T``, bf16 ones at ``T <= GATE_MAX_T_BF16``; any decode size with
+  ``set_gate_fused(True)``) the gate GEMM runs inside
   the same compiled call (one host call, the eager path's cost, issue 17): ``gate_kernel`` writes
   fp32 partial logits per ``GATE_KC``-wide K chunk (fp32 products of the exactly widened inputs added
   in k order, SIMT register tiles; the top-k kernel adds the chunks in order: deterministic, the
@@ -47,6 +48,7 @@ instruction each through ``llvm.inline_asm``, like ``prmt`` in ``dequant_fp4``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from dsv4.registry import Support
@@ -80,6 +82,8 @@ PTX_FORBIDDEN = (r"\b(mul|add|div|sqrt|fma)\.[a-z.]*ftz",)
 WARP = 32
 #: route: tokens (warps) per CTA
 ROUTE_WARPS = 4
+#: route: partial logits loaded together (their loads all issued before their adds; fewer past 8 scores per lane)
+ROUTE_PART_BATCH = 8
 #: route: largest expert count (32 lanes x 32 registers) and top-k (one slot per lane)
 ROUTE_MAX_E = 1024
 ROUTE_MAX_K = 32
@@ -87,7 +91,7 @@ ROUTE_MAX_K = 32
 #: memory), K chunk per CTA (``S = ceil(D / GATE_KC)`` partial logits), experts per CTA, threads per CTA
 GATE_MAX_T = 64
 #: largest hidden size the fused gate serves (``S = D / GATE_KC`` partial logits: at D = 7168, E = 384 the
-#: split-K partial sums made it 3x slower than cuBLAS on the device, job eagerB10-02)
+#: split-K partial sums made it 3x slower than cuBLAS on the device: docs/benchmarks.md)
 GATE_MAX_D = 4096
 GATE_KC = 256
 GATE_EPC = 32
@@ -163,9 +167,15 @@ if _HAVE_DSL:
         ``K <= E``.
         """
 
-        def __init__(self, topk: int, n_per_lane: int, hash_layer: bool, has_bias: bool, gate=None, n_part: int = 1):
+        def __init__(self, topk: int, n_per_lane: int, hash_layer: bool, has_bias: bool, gate=None, n_part: int = 1,
+                     kc: int = GATE_KC, max_t: int = GATE_MAX_T):
             if not 1 <= topk <= ROUTE_MAX_K:
                 raise ValueError(f"topk must be in [1, {ROUTE_MAX_K}], got {topk}")
+            if kc % 64 or not 64 <= kc <= 512 or max_t % 16 or not 16 <= max_t <= 64:
+                raise ValueError(f"gate K chunk {kc} / staged tokens {max_t}: kc in 64..512 (multiple of 64), "
+                                 "max_t in 16..64 (multiple of 16)")
+            #: the fused gate's K chunk (columns per CTA) and staged token rows (the call's T <= max_t)
+            self.kc, self.max_t = kc, max_t
             self.topk, self.npl, self.hash, self.has_bias = topk, n_per_lane, hash_layer, has_bias
             #: None, or the (x, gate weight) DSL element types of the fused gate GEMM
             self.gate = gate
@@ -198,17 +208,17 @@ if _HAVE_DSL:
             ntok, D = mX.shape
             n_exp = mGw.shape[0]
             xdt, wdt = self.gate
-            KC, XS = GATE_KC, GATE_KC + 4                          # chunk columns, x row stride (fp32)
+            KC, XS, MT = self.kc, self.kc + 4, self.max_t          # chunk columns, x row stride (fp32), x rows
             e0 = bx * GATE_EPC
             k0 = s * KC
             nk = cutlass.min(KC, D - k0)                            # this chunk's columns (a multiple of 8)
             smem = SmemAllocator()
-            sX = smem.allocate_tensor(Float32, cute.make_layout(GATE_MAX_T * XS), byte_alignment=16)
+            sX = smem.allocate_tensor(Float32, cute.make_layout(MT * XS), byte_alignment=16)
             sW = smem.allocate_tensor(Float32, cute.make_layout(GATE_EPC * KC), byte_alignment=16)
             st4 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
             # (1) staging: 8-element vectors (rows past T / E, columns past D: not loaded, never used)
             dv8 = D // 8
-            for src, dst, dt, rows, row0, nrow, stride in ((mX, sX, xdt, ntok, 0, GATE_MAX_T, XS),
+            for src, dst, dt, rows, row0, nrow, stride in ((mX, sX, xdt, ntok, 0, MT, XS),
                                                            (mGw, sW, wdt, n_exp, e0, GATE_EPC, KC)):
                 nb = min(128, dt.width * 8)
                 ld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dt, num_bits_per_copy=nb, invariant=True)
@@ -217,7 +227,7 @@ if _HAVE_DSL:
                 per_thread = nrow * (KC // 8) // GATE_THREADS
                 for b0 in cutlass.range_constexpr(0, per_thread, 8):         # batches of 8 loads in flight
                     regs = []
-                    for u in cutlass.range_constexpr(8):
+                    for u in cutlass.range_constexpr(min(8, per_thread - b0)):
                         q = (b0 + u) * GATE_THREADS + tidx
                         r = q // (KC // 8)
                         c = q - r * (KC // 8)
@@ -250,7 +260,7 @@ if _HAVE_DSL:
             for k in cutlass.range(0, nk, 4, unroll=4):
                 rx = []
                 rw = []
-                for i in cutlass.range_constexpr(4):
+                for i in cutlass.range_constexpr(MT // 16):
                     vx = cute.make_rmem_tensor((4,), Float32)
                     if i < n_ig:
                         cute.copy(ld4, sX4[(None, ((q + 16 * i) * XS + k) // 4)], vx)
@@ -259,14 +269,14 @@ if _HAVE_DSL:
                     vw = cute.make_rmem_tensor((4,), Float32)
                     cute.copy(ld4, sW4[(None, ((4 * g + j) * KC + k) // 4)], vw)
                     rw.append(vw)
-                for i in cutlass.range_constexpr(4):
+                for i in cutlass.range_constexpr(MT // 16):
                     if i < n_ig:                                    # (row groups past T: no loads, no FMAs)
                         for j in cutlass.range_constexpr(4):
                             a = rAcc[4 * i + j]
                             for c in cutlass.range_constexpr(4):
                                 a = a + rx[i][c] * rw[j][c]
                             rAcc[4 * i + j] = a
-            for i in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(MT // 16):
                 t = q + 16 * i
                 if t < ntok:
                     for j in cutlass.range_constexpr(4):
@@ -321,9 +331,17 @@ if _HAVE_DSL:
                     rL = cute.make_rmem_tensor((self.npl,), Float32)
                     for j in cutlass.range_constexpr(self.npl):
                         rL[j] = mPart[0, t, cutlass.min(j * WARP + lane, n_exp - 1)]
-                    for p in cutlass.range_constexpr(1, self.n_part):
-                        for j in cutlass.range_constexpr(self.npl):
-                            rL[j] = rL[j] + mPart[p, t, cutlass.min(j * WARP + lane, n_exp - 1)]
+                    # the further partials ROUTE_PART_BATCH at a time: all their loads first, then the adds in s order
+                    pb = max(1, min(ROUTE_PART_BATCH, 64 // self.npl))   # at most 64 registers of loads
+                    for p0 in cutlass.range_constexpr(1, self.n_part, pb):
+                        nb = min(pb, self.n_part - p0)
+                        rP = cute.make_rmem_tensor((nb * self.npl,), Float32)
+                        for b in cutlass.range_constexpr(nb):
+                            for j in cutlass.range_constexpr(self.npl):
+                                rP[b * self.npl + j] = mPart[p0 + b, t, cutlass.min(j * WARP + lane, n_exp - 1)]
+                        for b in cutlass.range_constexpr(nb):
+                            for j in cutlass.range_constexpr(self.npl):
+                                rL[j] = rL[j] + rP[b * self.npl + j]
                     for j in cutlass.range_constexpr(self.npl):
                         c = j * WARP + lane
                         rS[j] = Float32(0.0)
@@ -740,11 +758,13 @@ def _fake_route(topk: int, hash_layer: bool, has_bias: bool, ids: str, tid: str,
     return mx, mgw, part, bias, mids, mtid, idx, w, Float32(1.5), make_fake_stream()
 
 
-def _compile_route(topk, npl, hash_layer, has_bias, ids, tid, arch, extra="", gate=None, n_part=1):
+def _compile_route(topk, npl, hash_layer, has_bias, ids, tid, arch, extra="", gate=None, n_part=1, kc=GATE_KC,
+                   max_t=GATE_MAX_T):
     """``gate``: None (logits given) or the (x, gate weight) dtype names of the fused gate GEMM; ``n_part``:
-    the partial sums per logit (``ceil(D / GATE_KC)`` with ``gate``, else 1)."""
+    the partial sums per logit (``ceil(D / kc)`` with ``gate``, else 1); ``kc`` / ``max_t``: the fused gate's
+    K chunk and staged token rows."""
     kern = RouteKernel(topk, npl, hash_layer, has_bias, None if gate is None else (_dtype(gate[0]), _dtype(gate[1])),
-                       n_part)
+                       n_part, kc, max_t)
     return cute.compile(kern, *_fake_route(topk, hash_layer, has_bias, ids, tid, gate, n_part),
                         options=compile_options(arch, extra))
 
@@ -800,6 +820,9 @@ CHECK_VARIANTS = {
                                                                          gate=("bfloat16", "float32"), n_part=16),
     "route-gate-bf16-bf16-topk6-hash-int32": lambda a, x: _compile_route(6, 1, True, False, "int32", "int32", a, x,
                                                                           gate=("bfloat16", "bfloat16"), n_part=2),
+    "route-gate-bf16-bf16-topk6-e256-t16": lambda a, x: _compile_route(6, 8, False, True, "int32", "int32", a, x,
+                                                                        gate=("bfloat16", "bfloat16"), n_part=16,
+                                                                        max_t=GATE_SMALL_T),
     "permute-fp8-contiguous-bf16-int32": lambda a, x: _compile_permute("fp8", "contiguous", 256, "bfloat16", "int32", a, x),
     "permute-fp8-masked-fp32-int64": lambda a, x: _compile_permute("fp8", "masked", 512, "float32", "int64", a, x),
     "permute-bf16-contiguous-bf16-int32": lambda a, x: _compile_permute("bf16", "contiguous", 256, "bfloat16", "int32", a, x),
@@ -865,8 +888,13 @@ GATE_FUSED = None
 #: the default folds the gate GEMM for fp32 gate weights from this many tokens (cuBLAS has no tensor-core
 #: path for the exact fp32 GEMM: fused 17.4-18.8 us vs cast + SGEMM + top-k 18.8-22.2 us at T = 8..64, E = 256,
 #: D = 4096; at T = 1 cuBLAS is faster, 10.0 vs 17.4 us); bf16 gate weights keep the tensor-core cuBLAS GEMM
-#: (9.5-10.9 us vs 16.7-18.3 fused), jobs eagerB10-02 / 03
+#: (9.5-10.9 us vs 16.7-18.3 fused with 64 staged token rows; docs/benchmarks.md, "moe_route with the gate GEMM
+#: folded") except at decode sizes up to GATE_MAX_T_BF16 tokens, where the gate kernel stages GATE_SMALL_T token
+#: rows (half the shared memory) and the top-k kernel loads the partial logits 8 at a time: at E = 256, D = 4096
+#: the fused call 10.5 / 11.0-11.1 us at T = 1 / 16 against the cuBLAS path's 9.6-10.5 / 11.0-11.1 (docs/benchmarks.md)
 GATE_MIN_T_FP32 = 8
+GATE_MAX_T_BF16 = 16
+GATE_SMALL_T = 16
 
 
 def set_gate_fused(on) -> object:
@@ -882,22 +910,101 @@ def gate_fused(x, gate_weight) -> bool:
     """Does ``moe_route`` run the gate GEMM inside its launch (``RouteKernel.gate_kernel``)? Supported at
     decode sizes: ``1 <= T <= GATE_MAX_T``, ``0 < D <= GATE_MAX_D``, ``D % 8 == 0``, both operands bf16 /
     fp32, row-major and 16-byte aligned; by default (:data:`GATE_FUSED` None) only where it is measured not
-    slower on the device: fp32 gate weights, ``T >= GATE_MIN_T_FP32`` (docs/benchmarks.md, "moe_route with
-    the gate GEMM folded")."""
+    slower on the device: fp32 gate weights at ``T >= GATE_MIN_T_FP32``, bf16 gate weights at ``T <=
+    GATE_MAX_T_BF16`` (docs/benchmarks.md, "moe_route with the gate GEMM folded")."""
     import torch
     T, D = x.shape
     ok = (torch.bfloat16, torch.float32)
-    if GATE_FUSED is False or (GATE_FUSED is None and (gate_weight.dtype != torch.float32 or T < GATE_MIN_T_FP32)):
+    if GATE_FUSED is False:
+        return False
+    if GATE_FUSED is None and not ((gate_weight.dtype == torch.float32 and T >= GATE_MIN_T_FP32)
+                                   or (gate_weight.dtype == torch.bfloat16 and T <= GATE_MAX_T_BF16)):
         return False
     return (0 < T <= GATE_MAX_T and 0 < D <= GATE_MAX_D and D % 8 == 0 and x.dtype in ok
             and gate_weight.dtype in ok and x.is_contiguous() and gate_weight.is_contiguous()
             and x.data_ptr() % 16 == 0 and gate_weight.data_ptr() % 16 == 0)
 
 
+@dataclass(frozen=True)
+class RouteConfig:
+    """Launch choices of ``moe_route`` (:func:`route_config`): ``gate_fused``: the gate GEMM runs inside the
+    route call (:meth:`RouteKernel.gate_kernel`, :func:`gate_fused`) or on cuBLAS first (:func:`gate_logits`);
+    ``n_part``: the partial logits per (token, expert) the top-k kernel adds (``ceil(D / GATE_KC)`` fused, else
+    1); ``n_per_lane``: expert scores per lane (``ceil(E / 32)``; 1 for hash layers); ``warps_per_cta``: tokens
+    per top-k CTA. ``gate_fused`` / ``n_part`` None: decided per call (token count, hidden size, dtypes: not
+    in the problem; ``run`` records the call's config, ``registry.last_choice("moe_route")`` shows it)."""
+    gate_fused: bool | None
+    n_part: int | None
+    n_per_lane: int
+    warps_per_cta: int = ROUTE_WARPS
+    gate_kc: int = GATE_KC
+    gate_max_t: int = GATE_MAX_T
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def explain(self) -> str:
+        if self.gate_fused is None:
+            gate = (f"gate GEMM per call (fused for fp32 weights at {GATE_MIN_T_FP32} <= T <= {GATE_MAX_T}, bf16 "
+                    f"weights at T <= {GATE_MAX_T_BF16}, D <= {GATE_MAX_D}; else cuBLAS)")
+        elif self.gate_fused:
+            gate = (f"gate GEMM fused ({GATE_EPC} experts x {self.gate_kc} K x {self.gate_max_t} token rows per "
+                    f"CTA, {GATE_THREADS} threads, {self.n_part} partial logits)")
+        else:
+            gate = "gate GEMM on cuBLAS (fp32 logits), then the top-k kernel"
+        return f"{gate}; top-k: {self.warps_per_cta} tokens (warps) per CTA, {self.n_per_lane} scores per lane"
+
+
+#: benchmark hook, empty in production: ``{"gate_kc": kc, "gate_max_t": rows}`` replaces the fused gate's K chunk /
+#: staged token rows (a ``gate_max_t`` below the call's T is not applied)
+ROUTE_VARIANT: dict = {}
+
+
+def route_config(E: int, hash_layer: bool, x=None, gate_weight=None) -> RouteConfig:
+    """The :class:`RouteConfig` of a ``moe_route`` call (``x`` / ``gate_weight`` given) or of its problem."""
+    npl = 1 if hash_layer else _route_npl(E)
+    if x is None:
+        return RouteConfig(None, None, npl)
+    if not gate_fused(x, gate_weight):
+        return RouteConfig(False, 1, npl)
+    import torch
+    T = x.shape[0]
+    kc = ROUTE_VARIANT.get("gate_kc", GATE_KC)
+    mt = ROUTE_VARIANT.get("gate_max_t", GATE_SMALL_T if gate_weight.dtype == torch.bfloat16 and T <= GATE_SMALL_T
+                           else GATE_MAX_T)
+    if mt < T:
+        mt = GATE_MAX_T
+    return RouteConfig(True, -(-x.shape[1] // kc), npl, gate_kc=kc, gate_max_t=mt)
+
+
+@dataclass(frozen=True)
+class PermuteConfig:
+    """Launch choices of ``moe_permute`` (:func:`permute_config`): ``threads`` per CTA, ``e_cap`` (the
+    shared-memory histograms' expert capacity: E rounded up to a multiple of ``threads``), ``tokens_per_cta``
+    (:func:`permute_tokens_per_block`; None: per call, it depends on the token count)."""
+    threads: int
+    e_cap: int
+    tokens_per_cta: int | None
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def explain(self) -> str:
+        tpb = "per call (~4 CTAs per SM)" if self.tokens_per_cta is None else str(self.tokens_per_cta)
+        return f"{self.threads} threads per CTA, expert capacity {self.e_cap}, tokens per CTA {tpb}"
+
+
+def permute_config(E: int, k: int, T: int | None = None, sm_count: int = 0) -> PermuteConfig:
+    """The :class:`PermuteConfig` of a ``moe_permute`` call (``T`` tokens on ``sm_count`` SMs) or problem."""
+    tpb = None if T is None else permute_tokens_per_block(T, k, sm_count)
+    return PermuteConfig(PERMUTE_THREADS, _permute_e_cap(E), tpb)
+
+
 class DslMoERoute(_DslGlue):
-    describe = ("CuTe DSL RouteKernel: fp32 gate weights at 8 <= T <= 64 one call = the gate GEMM (fp32 FMA register "
-                "tiles, K split in 256 chunks) + the top-k kernel, else the gate GEMM on cuBLAS (bf16 inputs -> fp32 out, else fp32) "
-                "first; one warp per token: sqrt(softplus), bias-selected top-k arg-max, normalized weights")
+    describe = ("CuTe DSL RouteKernel: fp32 gate weights at 8 <= T <= 64, bf16 ones at T <= 16: one call = the gate "
+                "GEMM (fp32 FMA register tiles, K split in 256 chunks) + the top-k kernel, else the gate GEMM on cuBLAS "
+                "(bf16 inputs -> fp32 out, else fp32) first; one warp per token: sqrt(softplus), bias-selected top-k "
+                "arg-max, normalized weights")
 
     def supports(self, problem, target):
         s = self._target(target)
@@ -909,30 +1016,36 @@ class DslMoERoute(_DslGlue):
             return Support.no(f"dsl: topk={problem['topk']} > {ROUTE_MAX_K} (one slot per lane)")
         return Support.yes(f"sm_90a, E <= {ROUTE_MAX_E}, topk <= {ROUTE_MAX_K}")
 
+    def config(self, problem, target=None) -> RouteConfig:
+        """The problem's :class:`RouteConfig` (the gate decision is per call: ``run`` records it)."""
+        return route_config(problem["E"], problem["hash"])
+
     def run(self, problem, *, x, gate_weight, bias, input_ids, tid2eid, topk, route_scale):
         import torch
 
         from dsv4.target import Target
-        (T, D), E = x.shape, gate_weight.shape[0]
+        T, E = x.shape[0], gate_weight.shape[0]
         idx = torch.empty((T, topk), dtype=torch.int32, device=x.device)
         w = torch.empty((T, topk), dtype=torch.float32, device=x.device)
         if T == 0:
             return idx, w
-        if gate_fused(x, gate_weight):                 # one call: gate GEMM partials, then the top-k
-            part = torch.empty((-(-D // GATE_KC), T, E), dtype=torch.float32, device=x.device)
+        hash_layer = tid2eid is not None
+        cfg = route_config(E, hash_layer, x, gate_weight)
+        self.op.record_config(cfg)
+        if cfg.gate_fused:                             # one call: gate GEMM partials, then the top-k
+            part = torch.empty((cfg.n_part, T, E), dtype=torch.float32, device=x.device)
             gate = (str(x.dtype).replace("torch.", ""), str(gate_weight.dtype).replace("torch.", ""))
         else:
             part = gate_logits(x, gate_weight).contiguous().unsqueeze(0)
             gate = None
-        hash_layer = tid2eid is not None
         ids_dt = str(input_ids.dtype).replace("torch.", "") if hash_layer else "int32"
         tid_dt = str(tid2eid.dtype).replace("torch.", "") if hash_layer else "int32"
-        npl = 1 if hash_layer else _route_npl(E)
+        npl, n_part = cfg.n_per_lane, cfg.n_part
         arch = Target.of(x.device).arch
-        n_part = part.shape[0]
-        key = ("moe_route", topk, npl, hash_layer, bias is not None, ids_dt, tid_dt, gate, n_part, arch)
+        kc, mt = (cfg.gate_kc, cfg.gate_max_t) if gate else (GATE_KC, GATE_MAX_T)
+        key = ("moe_route", topk, npl, hash_layer, bias is not None, ids_dt, tid_dt, gate, n_part, kc, mt, arch)
         fn = compile_cached(key, lambda: _compile_route(topk, npl, hash_layer, bias is not None, ids_dt, tid_dt, arch,
-                                                        gate=gate, n_part=n_part))
+                                                        gate=gate, n_part=n_part, kc=kc, max_t=mt))
         args = (_dl(x, 16) if gate else None, _dl(gate_weight, 16) if gate else None, _dl(part, 4),
                 _dl(bias.contiguous(), 4) if bias is not None else None,
                 _dl(input_ids.contiguous(), 4) if hash_layer else None,
@@ -958,6 +1071,10 @@ class DslMoEPermute(_DslGlue):
             return Support.no(f"dsl: D={problem['D']} is not a multiple of 128 (a half warp per 128 columns)")
         return Support.yes(f"sm_90a, E <= {PERMUTE_MAX_E}, D % 128 == 0")
 
+    def config(self, problem, target=None) -> PermuteConfig:
+        """The problem's :class:`PermuteConfig` (tokens per CTA are per call: ``run`` records them)."""
+        return permute_config(problem["E"], problem["k"])
+
     def run(self, problem, *, x, topk_idx, topk_w, num_experts, act, layout, max_m):
         import torch
 
@@ -979,20 +1096,21 @@ class DslMoEPermute(_DslGlue):
             return a, a_s, rs, torch.zeros(E, dtype=torch.int32, device=dev), rw, pos
         row_start = torch.empty((E,), dtype=torch.int32, device=dev)
         row_count = torch.empty((E,), dtype=torch.int32, device=dev)
+        cfg = permute_config(E, k, T, Target.of(dev).sm_count)
+        self.op.record_config(cfg)
         xs = _aligned(x)
         ids = _aligned(topk_idx)                     # [T, k] as they are (the kernel reads them flat)
         wt = topk_w.to(torch.float32).contiguous()
-        tgt = Target.of(dev)
-        tpb = permute_tokens_per_block(T, k, tgt.sm_count)
         x_dt = str(x.dtype).replace("torch.", "")
         idx_dt = str(topk_idx.dtype).replace("torch.", "")
-        e_cap = _permute_e_cap(E)
-        key = ("moe_permute", act, layout, e_cap, x_dt, idx_dt, tgt.arch)
-        fn = compile_cached(key, lambda: _compile_permute(act, layout, e_cap, x_dt, idx_dt, tgt.arch))
+        arch = Target.of(dev).arch
+        key = ("moe_permute", act, layout, cfg.e_cap, x_dt, idx_dt, arch)
+        fn = compile_cached(key, lambda: _compile_permute(act, layout, cfg.e_cap, x_dt, idx_dt, arch))
         a_arg = _dl(a, 16, cutlass.Float8E4M3FN) if act == "fp8" else _dl(a, 16)
         args = (_dl(xs, 16), _dl(ids, 16), _dl(wt, 4), a_arg, _dl(a_s, 4) if act == "fp8" else None,
                 _dl(row_start, 4), _dl(row_count, 4), _dl(rw, 4), _dl(pos, 8),
-                i32(E), i32(max_m if layout == "masked" else 0), i32(tpb), i32(-(-T // tpb)))
+                i32(E), i32(max_m if layout == "masked" else 0), i32(cfg.tokens_per_cta),
+                i32(-(-T // cfg.tokens_per_cta)))
         _launch(fn, args, dev)
         return a, a_s, row_start, row_count, rw, pos
 

@@ -65,12 +65,10 @@ class Plan:
 
 
 #: Geometry of the large-tensor class (at least two waves of warp tiles) per kernel family: kernel-config
-#: fields + ctas_per_sm, the fastest of 13 geometries at 8192 x 8192 bf16 (H200, job mem7-02, 2026-12-01,
-#: all verified bit-exact there; us, copy BW 4251 GB/s): NVFP4 given scale 54.98 (a bulk-copy ring of 2
-#: tiles, 4-warp CTAs; register loads at the old geometry 55.42), NVFP4 device amax 90.92 (register loads;
-#: the ring 92.64), MXFP4 47.70, FP8 57.29, dequant 57.27 (4 units x 4 warps; 8 x 8 warps 62.02). Re-swept
-#: with PDL in jobs quant9-01/02 (6 + 3 geometries, CUDA graphs of 24 calls): none faster by more than the
-#: run-to-run spread (~1%); a grid shrunk to an equal number of tiles per warp lost 0.3-1.4 us (deleted).
+#: fields + ctas_per_sm, the fastest of the geometries swept at 8192 x 8192 bf16 on the H200 (NVFP4 given scale:
+#: a bulk-copy ring of 2 tiles in 4-warp CTAs; the device-amax path and the others: register loads); re-swept with
+#: PDL: none faster by more than the run-to-run spread. Numbers: docs/benchmarks.md ("quantize, indexer quantizers,
+#: kv_gather" and "quantize / dequant memory pattern").
 LARGE_DEFAULT = {"qj": 8, "warps": 8, "min_blocks": 0, "ctas_per_sm": 4}
 LARGE = {
     "nvfp4": {"qj": 8, "warps": 4, "min_blocks": 4, "ctas_per_sm": 2, "pipe": 2, "lut": 32},
@@ -203,7 +201,6 @@ def plan(op: str, problem) -> Plan:
     """The launch the provider of ``op`` runs for ``problem`` on the current device (``dsv4 ops``
     shows it); needs ``M`` in the problem."""
     import torch
-    from .quantize_fp8 import SCALE_FP32, SCALE_POW2_F32, SCALE_UE8M0
     sms = _sm_count(torch.cuda.current_device())
     M, K = problem["M"], problem["K"]
     if op == "quantize_nvfp4":
@@ -212,10 +209,16 @@ def plan(op: str, problem) -> Plan:
     if op == "quantize_mxfp4":
         return plan_mxfp4(problem["in_dtype"], problem["rule"], M, K, sms)
     if op == "quantize_fp8_block":
-        e8 = problem["scale_dtype"] == "float8_e8m0fnu"
-        sc = SCALE_FP32 if problem["scale_fmt"] == "fp32" else (SCALE_UE8M0 if e8 else SCALE_POW2_F32)
-        return plan_fp8(problem["block"], sc, problem["in_dtype"], M, K, sms)
+        return plan_fp8(problem["block"], _fp8_scale(problem), problem["in_dtype"], M, K, sms)
     return plan_dequant(problem["block"], problem["scale_dtype"] == "float8_e8m0fnu", problem["out_dtype"], M, K, sms)
+
+
+def _fp8_scale(problem) -> int:
+    """The FP8 quantizer's scale mode of a problem: fp32, UE8M0 bytes, or powers of two as fp32."""
+    from .quantize_fp8 import SCALE_FP32, SCALE_POW2_F32, SCALE_UE8M0
+    if problem["scale_fmt"] == "fp32":
+        return SCALE_FP32
+    return SCALE_UE8M0 if problem["scale_dtype"] == "float8_e8m0fnu" else SCALE_POW2_F32
 
 
 _WS: dict = {}
@@ -230,6 +233,14 @@ def _grid_workspace(dev):
     if w is None:
         w = _WS[key] = torch.zeros(2, dtype=torch.int32, device=dev)
     return w
+
+
+#: SMs assumed when a config is explained for a target without SMs (the CPU: ``dsv4 ops --verbose``): the H200's
+EXPLAIN_SMS = 132
+
+
+def _target_sms(target) -> int:
+    return (getattr(target, "sm_count", 0) if target is not None else 0) or EXPLAIN_SMS
 
 
 def _grid(n_tiles: int, warps: int, dev, ctas_per_sm: int, pad_threads: int = 0) -> int:
@@ -262,10 +273,9 @@ def _fp4_fn(cfg, arch):
     return compile_cached(("quantize_fp4", cfg, arch), lambda: compile_fp4(cfg, arch))
 
 
-#: Ops whose DSL kernels passed the bit-exact H200 checks (jobs quant-02, mem7-01/02/03, 2026-12-01: every
-#: family, input dtype, layout / rule, NVFP4 launch path, size class and 13 launch geometries, NaN / Inf
-#: blocks, CUDA-graph replay; with PDL: quant9-02/03, 2026-12-02); an op set to False answers "no" (never a
-#: default, never forced).
+#: Ops whose DSL kernels pass the bit-exact H200 checks (every family, input dtype, layout / rule, NVFP4 launch path,
+#: size class and launch geometry, NaN / Inf blocks, CUDA-graph replay, with PDL: tests/test_quantize.py -m gpu); an
+#: op set to False answers "no" (never a default, never forced).
 VALIDATED = {"quantize_nvfp4": True, "quantize_mxfp4": True, "quantize_fp8_block": True,
              "dequantize_fp8_block": True}
 
@@ -276,21 +286,8 @@ def _unvalidated(op: str):
     return None
 
 
-#: The measurements behind the provider choice (H200, CUDA-graph us, copy bandwidth 4251-4252 GB/s): dsl (final
-#: tree, job mem7-03, 2026-12-01) / the CUDA provider of kernels_cuda/quantize.cu (job mem7-02, same day), deleted
-#: because the DSL one matched or beat it at every size (dequant 2048x7168 within 4%).
-MEASURED = {
-    "quantize_nvfp4": "given scale swz 8192^2 54.84 / 65.72, 2048x7168 15.63 / 17.50, 128x7168 3.76 / 4.19, 16x7168 "
-                      "3.18 / 4.01, 1x7168 3.65 / 4.27; device amax swz 8192^2 91.7 / 103.0, lin 87.2 / 98.9, "
-                      "2048x7168 25.2 / 26.9 (lin 23.5 / 25.4), 128x7168 6.43 / 6.99, 16x7168 5.05 / 6.51 (lin 3.90 / "
-                      "5.71), 1x7168 6.15 / 17.04 (lin 3.15 / 4.07)",
-    "quantize_mxfp4": "dsv4 8192^2 47.70 / 57.40, 2048x7168 12.17 / 15.53, 128x7168 3.01 / 3.30, 16x7168 1.91 / 2.91, "
-                      "1x7168 1.74 / 2.86; ocp 8192^2 50.72 / 61.06",
-    "quantize_fp8_block": "b128 fp32 8192^2 56.22 / 62.03, 2048x7168 12.54 / 15.76, 128x7168 3.13 / 4.02, 16x7168 "
-                          "1.94 / 3.81, 1x7168 1.83 / 3.82; ue8m0 8192^2 56.32 / 62.86",
-    "dequantize_fp8_block": "8192^2 56.43 / 57.24, 2048x7168 12.96 / 12.49, 128x7168 2.46 / 2.76, 16x7168 1.64 / "
-                            "2.04, 1x7168 1.50 / 1.94",
-}
+#: why the DSL providers are the GPU default (the CUDA quantizers they replaced were deleted)
+_WHY = "faster than the deleted CUDA provider at every measured size: docs/benchmarks.md"
 
 
 def _supports(problem, k_mult: int) -> Support:
@@ -312,7 +309,12 @@ class DslQuantizeNvfp4(DslProvider):
         s = _supports(problem, 16)
         if not s:
             return s
-        return Support.yes("sm_90a, bf16/fp16; measured: " + MEASURED["quantize_nvfp4"])
+        return Support.yes(f"sm_90a, bf16/fp16 ({_WHY})")
+
+    def config(self, problem, target=None) -> Plan:
+        """The :class:`Plan` ``run`` launches (:func:`plan_nvfp4`: kernel config, grid cap, global-scale path)."""
+        return plan_nvfp4(problem["in_dtype"], problem["sf_layout"] == "swizzled", problem["global_scale"] in (True, 1),
+                          problem["M"], problem["K"], _target_sms(target))
 
     def run(self, problem, *, x, global_scale):
         import torch
@@ -320,14 +322,15 @@ class DslQuantizeNvfp4(DslProvider):
         from dsv4.target import Target
         M, K = x.shape
         dev = x.device
+        target = Target.of(dev)
         swz = problem["sf_layout"] == "swizzled"
         ksf, kt, mt = K // 16, -(-(K // 16) // 4), -(-M // 128)
         data = torch.empty((M, K // 2), dtype=torch.uint8, device=dev)
         scale = torch.empty((mt, kt, 32, 4, 4) if swz else (M, ksf), dtype=torch.uint8, device=dev)
         gs = torch.empty((2,), dtype=torch.float32, device=dev)
         n_chunks = M * K // 8
-        arch = Target.of(dev).arch
-        p = plan_nvfp4(problem["in_dtype"], swz, global_scale is not None, M, K, _sms(dev))
+        arch = target.arch
+        p = self.config(problem, target)
         cfg = p.cfg
         n_tiles = -(-n_chunks // (32 * cfg.qj))
         pad = ((mt * 128 - M) * kt + M * (4 * kt - ksf)) if swz else 0
@@ -365,7 +368,11 @@ class DslQuantizeMxfp4(DslProvider):
         s = _supports(problem, 32)
         if not s:
             return s
-        return Support.yes("sm_90a, bf16/fp16; measured: " + MEASURED["quantize_mxfp4"])
+        return Support.yes(f"sm_90a, bf16/fp16 ({_WHY})")
+
+    def config(self, problem, target=None) -> Plan:
+        """The :class:`Plan` ``run`` launches (:func:`plan_mxfp4`)."""
+        return plan_mxfp4(problem["in_dtype"], problem["rule"], problem["M"], problem["K"], _target_sms(target))
 
     def run(self, problem, *, x):
         import torch
@@ -377,8 +384,9 @@ class DslQuantizeMxfp4(DslProvider):
         scale = torch.empty((M, K // 32), dtype=torch.uint8, device=dev)
         n_chunks = M * K // 8
         if n_chunks:
-            p = plan_mxfp4(problem["in_dtype"], problem["rule"], M, K, _sms(dev))
-            fn = _fp4_fn(p.cfg, Target.of(dev).arch)
+            target = Target.of(dev)
+            p = self.config(problem, target)
+            fn = _fp4_fn(p.cfg, target.arch)
             n_tiles = -(-n_chunks // (32 * p.cfg.qj))
             launch_on(dev, fn, i64(x.data_ptr()), i64(data.data_ptr()), i64(scale.data_ptr()), i64(0), i64(0),
                       i32(0), i64(n_chunks), i32(M), i32(K // 32), i32(0), i32(M), i32(0), i64(0),
@@ -416,25 +424,28 @@ class DslQuantizeFp8Block(DslProvider):
         s = _supports(problem, problem["block"])
         if not s:
             return s
-        return Support.yes("sm_90a, bf16/fp16; measured: " + MEASURED["quantize_fp8_block"])
+        return Support.yes(f"sm_90a, bf16/fp16 ({_WHY})")
+
+    def config(self, problem, target=None) -> Plan:
+        """The :class:`Plan` ``run`` launches (:func:`plan_fp8`)."""
+        return plan_fp8(problem["block"], _fp8_scale(problem), problem["in_dtype"], problem["M"], problem["K"],
+                        _target_sms(target))
 
     def run(self, problem, *, x):
         import torch
 
         from dsv4.target import Target
-
-        from .quantize_fp8 import SCALE_FP32, SCALE_POW2_F32, SCALE_UE8M0
         M, K = x.shape
         B = problem["block"]
         e8 = problem["scale_dtype"] == "float8_e8m0fnu"
-        sc = SCALE_FP32 if problem["scale_fmt"] == "fp32" else (SCALE_UE8M0 if e8 else SCALE_POW2_F32)
         dev = x.device
         q = torch.empty((M, K), dtype=torch.uint8, device=dev)
         scale = torch.empty((M, K // B), dtype=torch.uint8 if e8 else torch.float32, device=dev)
         n_chunks = M * K // 8
         if n_chunks:
-            p = plan_fp8(B, sc, problem["in_dtype"], M, K, _sms(dev))
-            arch = Target.of(dev).arch
+            target = Target.of(dev)
+            p = self.config(problem, target)
+            arch = target.arch
             fn = compile_cached(("quantize_fp8", p.cfg, arch), lambda: compile_fp8(p.cfg, arch))
             launch_on(dev, fn, i64(x.data_ptr()), i64(q.data_ptr()), i64(scale.data_ptr()), i64(n_chunks),
                       i32(_grid(-(-n_chunks // (32 * p.cfg.qj)), p.cfg.warps, dev, p.ctas_per_sm)))
@@ -452,7 +463,12 @@ class DslDequantizeFp8Block(DslProvider):
             return Support.no(f"dsl: block {problem['block']} not in (32, 64, 128)")
         if problem["K"] % problem["block"]:
             return Support.no(f"dsl: K={problem['K']} is not a multiple of block {problem['block']}")
-        return Support.yes("sm_90a; measured: " + MEASURED["dequantize_fp8_block"])
+        return Support.yes(f"sm_90a ({_WHY})")
+
+    def config(self, problem, target=None) -> Plan:
+        """The :class:`Plan` ``run`` launches (:func:`plan_dequant`)."""
+        return plan_dequant(problem["block"], problem["scale_dtype"] == "float8_e8m0fnu", problem["out_dtype"],
+                            problem["M"], problem["K"], _target_sms(target))
 
     def run(self, problem, *, q, scale):
         import torch
@@ -466,8 +482,9 @@ class DslDequantizeFp8Block(DslProvider):
         E = 4 if od == "float32" else 8
         n_units = M * K // E
         if n_units:
-            p = plan_dequant(problem["block"], problem["scale_dtype"] == "float8_e8m0fnu", od, M, K, _sms(q.device))
-            arch = Target.of(q.device).arch
+            target = Target.of(q.device)
+            p = self.config(problem, target)
+            arch = target.arch
             fn = compile_cached(("dequant_fp8", p.cfg, arch), lambda: compile_fp8_dq(p.cfg, arch))
             n_tiles = -(-n_units // (32 * p.cfg.units))
             launch_on(q.device, fn, i64(q.data_ptr()), i64(scale.data_ptr()), i64(out.data_ptr()), i64(n_units),

@@ -252,7 +252,7 @@ if _HAVE_DSL:
                 GT = Int32(gdim) * (32 * cfg.warps)
                 # rows M..Mpad-1 live in the last 128-row block: walk its Kt x 128 words in memory order (word j of a
                 # 512 B cell group = row 32 (j & 3) + (j >> 2) of the block), so a warp's stores are 128 contiguous
-                # bytes (job quant9-01: as scattered 4-byte stores the padding cost 0.55 us at [16, 7168])
+                # bytes (as scattered 4-byte stores the padding cost 0.55 us at [16, 7168]: docs/benchmarks.md)
                 b_last = (Mpad >> 7) - 1
                 p1 = cutlass.select_(Mpad > M, Kt * 128, Int32(0))
                 for k1 in cutlass.range(_trips(gt, p1, GT), unroll=1):

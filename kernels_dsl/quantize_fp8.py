@@ -12,8 +12,8 @@ dequantize_fp8_block.md.
   correctly rounded (fp32 scale: Markstein in 3 instructions, ``_quantize_ptx.py`` ``div_rn_by3``;
   power-of-two scale: ``x * (1/s)``, exact reciprocal, the same single rounding), then
   ``cvt.rn.satfinite.e4m3x2.f32`` (clamps to +-448). Register loads (16-byte ``ld.global.nc``; the
-  bulk-copy ring of quantize_fp4.py lost here: 59.2-61.4 vs 57.2 us at 8192^2, job mem7-01; so did a
-  register double buffer: 59.4 vs 56.9 us, job quant8-01).
+  bulk-copy ring of quantize_fp4.py and a register double buffer lost here, 3-7% at 8192^2:
+  docs/benchmarks.md).
   Non-finite inputs (``dsv4.formats.fp8``, unchanged by issue 19 item 13): the block amax counts
   finite elements only; Inf -> +-448, NaN -> 0x7F. A warp tile holding an Inf / NaN takes one
   warp-uniform branch (``vote.any``) to the patching code (finite-only amax, byte patch); finite

@@ -45,6 +45,15 @@ class SplitConfig:
     num_splits: int
     tiles_per_split: int
 
+    def __str__(self) -> str:  # what registry.last_choice("sparse_attention").explain() shows
+        return self.explain()
+
+    def explain(self) -> str:
+        if self.num_splits == 1:
+            return f"no KV split ({self.tiles_per_split} list tiles of {TILE_N} per CTA)"
+        return (f"{self.num_splits} KV splits of {self.tiles_per_split} list tiles of {TILE_N}, merged by the "
+                "combine kernel")
+
 
 def choose_config(T: int, H: int, entries: int, sms: int, num_splits: Optional[int] = None) -> SplitConfig:
     """The split of each row's ``entries``-wide list (SWA + compressed widths) for ``sms`` SMs."""
@@ -78,6 +87,13 @@ class DslSparseAttention(DslProvider):
         if problem.get("fmt") != "fp8_ds_mla":
             return Support.no(f"dsl: reads fp8_ds_mla (584 B/token) caches only, got {problem.get('fmt')}")
         return Support.yes("sm_90a, fp8_ds_mla caches")
+
+    def config(self, problem, target):
+        """The :class:`SplitConfig` ``run`` launches (:func:`choose_config`, the one heuristic; rows past
+        ``MAX_ROWS_PER_LAUNCH`` run as chunks that each choose again; a SWA-only call counts the one
+        column of its empty compressed list too)."""
+        return choose_config(min(problem["T"], MAX_ROWS_PER_LAUNCH), problem["H"], problem["entries"],
+                             target.sm_count, problem["split"])
 
     def run(self, problem, *, q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale, num_splits):
         return sparse_attention_dsl(q, swa_cache, swa_indices, swa_lens, sink, cache, indices, lens, scale,

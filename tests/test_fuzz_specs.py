@@ -37,8 +37,21 @@ NICE = (1, 2, 3, 4, 8, 16, 32, 64, 128)
 MAX_ELEMS = 1 << 19
 ALL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
               torch.float8_e4m3fn, torch.float8_e8m0fnu)
-FUZZ = settings(max_examples=20, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _fuzz(examples: int):
+    """Deterministic hypothesis settings with ``examples`` draws (no deadline: a draw builds tensors)."""
+    return settings(max_examples=examples, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow,
+                                           HealthCheck.data_too_large])
+
+
+FUZZ = _fuzz(20)
+
+
+def _every_op(test):
+    """``test(name, data)`` for every registered op, with :data:`FUZZ` hypothesis draws."""
+    return pytest.mark.parametrize("name", OPS)(FUZZ(given(data=st.data())(test)))
 
 
 def _names(expr) -> set[str]:
@@ -201,17 +214,20 @@ def layout_cases(draw, spec, mutate=True):
     return tensors, symbols, kind, victim
 
 
-@pytest.mark.parametrize("name", OPS)
-@FUZZ
-@given(data=st.data())
+def _validated(spec, tensors, symbols):
+    """``(bound symbols, None)`` from the public ``spec.validate``, or ``(None, message)`` when it rejects."""
+    try:
+        return spec.validate(tensors, symbols=symbols), None
+    except LayoutError as e:
+        return None, str(e)
+
+
+@_every_op
 def test_validation_accepts_exactly_the_valid_layouts(name, data):
     spec = SPECS[name]
     tensors, symbols, kind, victim = data.draw(layout_cases(spec))
     want = oracle(spec, tensors, symbols)
-    try:
-        got = spec.validate(tensors, symbols=symbols)
-    except LayoutError as e:
-        got, msg = None, str(e)
+    got, msg = _validated(spec, tensors, symbols)
     assert (got is None) == (want is None), (kind, victim, {
         k: None if v is None else (getattr(v, "dtype", type(v)), getattr(v, "shape", None)) for k, v in tensors.items()})
     if got is not None:
@@ -221,9 +237,7 @@ def test_validation_accepts_exactly_the_valid_layouts(name, data):
         assert "argument '" in msg or any(m in msg for _, m in spec.constraints) or "cannot check" in msg, msg
 
 
-@pytest.mark.parametrize("name", OPS)
-@FUZZ
-@given(data=st.data())
+@_every_op
 def test_fast_and_full_validation_agree(name, data):
     spec = SPECS[name]
     tensors, symbols, _, _ = data.draw(layout_cases(spec))
@@ -240,11 +254,7 @@ def test_fast_and_full_validation_agree(name, data):
     if ok:                                  # the fast path may only accept what the full check accepts
         assert full == env
     # and the public entry point gives the full check's verdict either way
-    try:
-        pub = spec.validate(tensors, symbols=symbols)
-    except LayoutError:
-        pub = None
-    assert pub == full
+    assert _validated(spec, tensors, symbols)[0] == full
 
 
 # ------------------------------------------------------------------------- accepted cases run
@@ -365,8 +375,7 @@ def _to(t, device):
 
 
 @pytest.mark.parametrize("name", sorted(RUNNERS))
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow, HealthCheck.data_too_large])
+@_fuzz(12)
 @given(data=st.data())
 def test_accepted_layouts_run_and_match(name, data):
     """Every accepted layout runs, and its result does not depend on the layout (offsets, padded
@@ -379,8 +388,7 @@ def test_accepted_layouts_run_and_match(name, data):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(RUNNERS))
-@settings(max_examples=8, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow, HealthCheck.data_too_large])
+@_fuzz(8)
 @given(data=st.data())
 def test_accepted_layouts_match_the_reference_gpu(name, data):
     """GPU: the default provider on the fuzzed CUDA layout vs the torch reference on the same tensors."""

@@ -655,3 +655,43 @@ def test_gpu_out_of_range_slots_and_pages_match_reference(cuda_device, fmt):
     st = _gate_stats(P, refp)
     assert st["mask_ok"] and st["max_rel_err"] <= (1e-5 if fmt == "nvfp4" else 2e-3), st
     assert torch.isinf(P[0:2, 3 * bs:4 * bs]).all() and torch.isinf(P[2:4, 0:bs]).all()
+
+
+def _frozen_config(op: str, kind: str, problem, target):
+    import dataclasses
+
+    from dsv4 import registry
+    p = registry.get_op(op).provider(kind)
+    if isinstance(p, registry.Support):
+        pytest.skip(f"{op} {kind}: {p.reason}")
+    cfg = p.config(problem, target)
+    assert dataclasses.is_dataclass(cfg) and type(cfg).__dataclass_params__.frozen, (op, kind, cfg)
+    assert p.config(problem, target) == cfg and str(cfg), (op, kind, cfg)          # deterministic, explained
+    return cfg
+
+
+def test_indexer_provider_configs_are_frozen_and_explained_cpu():
+    """Issue 17 item 3: every compiled indexer provider names the frozen config its ``run`` launches (host
+    heuristics: no GPU needed); both paged providers share one tile-limit check (``paged_support``)."""
+    from dsv4.ops import indexer as ix
+    from dsv4.target import Target
+    h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132, 0)
+    cfg = _frozen_config("indexer_logits", "dsl", ix.LogitsProblem("mxfp4", "cuda"), h200)
+    assert (cfg.operand, cfg.row_scales) == ("e4m3", True)
+    assert _frozen_config("indexer_logits", "dsl", ix.LogitsProblem("fp8", "cuda"), h200).operand == "bf16"
+    cfg = _frozen_config("indexer_logits_paged", "cuda", ix.PagedProblem("nvfp4", 1, 64, 32768, "cuda"), h200)
+    assert cfg.ctas_per_sm >= 3 and cfg.stages >= 2
+    small = _frozen_config("indexer_cache_write", "dsl", ix.CacheWriteProblem("mxfp4", True, 64, 128, "cuda"), h200)
+    big = _frozen_config("indexer_q_quant", "dsl", ix.QQuantProblem("mxfp4", True, 1 << 20, "cuda"), h200)
+    assert (small.lanes, small.cache, big.lanes, big.cache) == (16, True, 4, False)
+    from dsv4 import registry
+    for kind in ("dsl", "cuda"):
+        p = registry.get_op("indexer_logits_paged").provider(kind)
+        if isinstance(p, registry.Support):
+            continue
+        fmt = "nvfp4" if kind == "cuda" else "mxfp4"
+        assert p.supports(ix.PagedProblem(fmt, 1, 64, 4096, "cuda"), h200)
+        no = p.supports(ix.PagedProblem(fmt, 5, 64, 4096, "cuda"), h200)
+        assert not no and no.reason.startswith(f"{kind}: next_n 5 outside 1..4"), no
+        no = p.supports(ix.PagedProblem(fmt, 1, 96, 4096, "cuda"), h200)
+        assert not no and "block_size 96 is not a multiple of 64" in no.reason, no

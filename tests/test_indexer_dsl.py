@@ -345,6 +345,26 @@ def test_gpu_fp8_rows_conversion_matches_model(cuda_device):
 
 
 @pytest.mark.gpu
+def test_gpu_fp8_rows_pair_one_launch_matches_model(cuda_device):
+    """Two row sets of different sizes in one launch (the prefill's q and K), and one row (an empty second set)."""
+    from kernels_dsl.indexer_fp8_rows import mxfp4_rows_to_fp8, mxfp4_rows_to_fp8_pair
+    sets = []
+    for seed, n in ((4, 192), (5, 1001)):
+        kv, ksf = quantize_rows(indexer_inputs(1, n, seed=seed).k, "mxfp4", None, True)
+        sets.append((kv, ksf))
+    got = mxfp4_rows_to_fp8_pair(*(x.to(cuda_device) for x in (*sets[0], *sets[1])))
+    for (kv, ksf), (v8, sc) in zip(sets, (got[:2], got[2:])):
+        want_v, want_s = fold_mxfp4_rows(kv, ksf)
+        assert torch.equal(v8.cpu().view(torch.float8_e4m3fn).double(), want_v)
+        assert torch.equal(sc.cpu().double(), want_s)
+    kv, ksf = sets[1][0][:1], sets[1][1][:1]
+    v8, sc = mxfp4_rows_to_fp8(kv.to(cuda_device), ksf.to(cuda_device))
+    want_v, want_s = fold_mxfp4_rows(kv, ksf)
+    assert torch.equal(v8.cpu().view(torch.float8_e4m3fn).double(), want_v)
+    assert torch.equal(sc.cpu().double(), want_s)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "nvfp4"])
 def test_gpu_dsl_prefill_graph_capture(cuda_device, fmt):
     """Every prefill format under CUDA-graph capture (FP8: the BF16 widening; NVFP4: dequant_fp4 + the

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsv4.data import indexer_inputs
+from dsv4.registry import get_op
 from dsv4.reference.indexer import FORMATS, cache_write_ref, q_quant_ref
 
 pytest.importorskip("cutlass")
@@ -101,7 +102,7 @@ def test_gpu_cache_write_bit_exact(cuda_device, dsl_quant, fmt, hadamard, slot_d
                         device=cuda_device)
     got = ref.clone()
     cache_write_ref(ref, k, slots, fmt, g, hadamard)
-    dsl_quant.DslCacheWrite(None).run({"fmt": fmt, "hadamard": hadamard}, cache=got, k=k,
+    dsl_quant.DslCacheWrite(get_op("indexer_cache_write")).run({"fmt": fmt, "hadamard": hadamard}, cache=got, k=k,
                                       slot_mapping=slots.to(slot_dtype), global_scale=g)
     torch.cuda.synchronize()
     assert torch.equal(got, ref), (got != ref).nonzero()[:8].tolist()
@@ -115,7 +116,7 @@ def test_gpu_q_quant_bit_exact(cuda_device, dsl_quant, fmt, hadamard):
     q = d.q.clone()
     _specials(q.view(-1, 128), 4)
     gq = _gscale(d.q, fmt)
-    qd, qs, wo = dsl_quant.DslQQuant(None).run({"fmt": fmt, "hadamard": hadamard}, q=q, w=d.w, global_scale=gq)
+    qd, qs, wo = dsl_quant.DslQQuant(get_op("indexer_q_quant")).run({"fmt": fmt, "hadamard": hadamard}, q=q, w=d.w, global_scale=gq)
     rq, rs, rw = q_quant_ref(q, d.w, fmt, hadamard, gq)
     assert torch.equal(qd, rq), (qd != rq).nonzero()[:8].tolist()
     assert torch.equal(qs, rs), (qs != rs).nonzero()[:8].tolist()
@@ -165,11 +166,11 @@ def test_gpu_every_geometry_bit_exact(cuda_device, dsl_quant, monkeypatch, fmt, 
     ref = torch.randint(0, 256, (nb, bs, sum(FORMATS[fmt])), dtype=torch.uint8, device=cuda_device)
     got = ref.clone()
     cache_write_ref(ref, k, slots, fmt, g, True)
-    dsl_quant.DslCacheWrite(None).run({"fmt": fmt, "hadamard": True}, cache=got, k=k, slot_mapping=slots, global_scale=g)
+    dsl_quant.DslCacheWrite(get_op("indexer_cache_write")).run({"fmt": fmt, "hadamard": True}, cache=got, k=k, slot_mapping=slots, global_scale=g)
     q = d.q.clone()
     _specials(q.view(-1, 128), 7)
     gq = _gscale(d.q, fmt)
-    qd, qs, wo = dsl_quant.DslQQuant(None).run({"fmt": fmt, "hadamard": True}, q=q, w=d.w, global_scale=gq)
+    qd, qs, wo = dsl_quant.DslQQuant(get_op("indexer_q_quant")).run({"fmt": fmt, "hadamard": True}, q=q, w=d.w, global_scale=gq)
     torch.cuda.synchronize()
     assert torch.equal(got, ref), (got != ref).nonzero()[:8].tolist()
     rq, rs, rw = q_quant_ref(q, d.w, fmt, True, gq)
@@ -184,8 +185,8 @@ def test_gpu_graph_replay(cuda_device, dsl_quant):
     k = d.k.clone()
     slots = torch.randperm(nb * bs, device=cuda_device)[:k.shape[0]]
     cache = torch.zeros(nb, bs, 68, dtype=torch.uint8, device=cuda_device)
-    p = dsl_quant.DslCacheWrite(None)
-    pq = dsl_quant.DslQQuant(None)
+    p = dsl_quant.DslCacheWrite(get_op("indexer_cache_write"))
+    pq = dsl_quant.DslQQuant(get_op("indexer_q_quant"))
     q = d.q.clone()
     prob = {"fmt": "mxfp4", "hadamard": True}
     s = torch.cuda.Stream()

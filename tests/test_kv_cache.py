@@ -472,8 +472,12 @@ def test_provider_defaults_match_cu_defaults():
     src = (KERNEL_DIR / "kv_cache.cu").read_text()
     for k, v in kc.DEFAULTS.items():
         assert re.search(rf"#define {k} {v}\b", src), k
-    assert kc._threads(512, 4, True) == (128, 1) and kc._threads(128, 4, True) == (128, 4)
-    assert kc._threads(512, 128, True) == (512, 1) and kc._threads(128, 128, False) == (128, 1)
+    def tc(*a):
+        c = kc.compress_config(*a)
+        return c.threads, c.entries_per_cta
+    assert tc(512, 4, True) == (128, 1) and tc(128, 4, True) == (128, 4)
+    assert tc(512, 128, True) == (512, 1) and tc(128, 128, False) == (128, 1)
+    assert kc.gather_config().rows_per_cta == 8 * kc.DEFAULTS["KVC_GATHER_RPW"]
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -823,3 +827,26 @@ def test_dsl_providers_explain_their_config():
         cfg = p.config(o.example_problem(t), t)
         assert cfg == want and dataclasses.is_dataclass(cfg) and cfg.__dataclass_params__.frozen, (op, cfg)
 
+
+
+def test_cuda_providers_explain_their_config_cpu():
+    """The CUDA kv_gather / compressor providers name the frozen config ``run`` launches (host heuristics)."""
+    import dataclasses
+
+    from dsv4.ops.kv_cache import CompressProblem, GatherProblem
+    from dsv4.target import Target
+    pytest.importorskip("cuda.bindings")
+    import dsv4.ops  # noqa: F401  (registers every op)
+    from kernels_cuda import kv_cache as kc
+    t = Target("cuda", "sm_90a", "NVIDIA H200", 132, 0)
+    for op, problem, want in (
+            ("kv_gather", GatherProblem("fp8_ds_mla", True, "cuda", True), kc.gather_config()),
+            ("kv_compress_prefill", CompressProblem("mxfp4", 128, 4, "int32", 1e-6, "cuda"),
+             kc.compress_config(128, 4, True)),
+            ("kv_compress_decode", CompressProblem("fp8_ds_mla", 512, 128, "int64", 1e-6, "cuda"),
+             kc.compress_config(512, 128, False))):
+        p = registry.get_op(op).provider("cuda")
+        if isinstance(p, registry.Support):
+            pytest.skip(f"cuda provider unavailable: {p.reason}")
+        cfg = p.config(problem, t)
+        assert cfg == want and dataclasses.is_dataclass(cfg) and cfg.__dataclass_params__.frozen and str(cfg), (op, cfg)

@@ -32,7 +32,8 @@ def test_gate_fused_decision_cpu():
         assert G.gate_fused(torch.zeros(G.GATE_MIN_T_FP32, 4096, dtype=bf), gw32)
         assert G.gate_fused(torch.zeros(G.GATE_MAX_T, 4096, dtype=f32), gw32)
         assert not G.gate_fused(torch.zeros(G.GATE_MIN_T_FP32 - 1, 4096, dtype=bf), gw32)   # T = 1..7: cuBLAS
-        assert not G.gate_fused(torch.zeros(8, 4096, dtype=bf), gw)                       # bf16 weights: cuBLAS
+        assert G.gate_fused(torch.zeros(G.GATE_MAX_T_BF16, 4096, dtype=bf), gw)           # bf16 weights: small T
+        assert not G.gate_fused(torch.zeros(G.GATE_MAX_T_BF16 + 1, 4096, dtype=bf), gw)   # then cuBLAS
         G.set_gate_fused(True)                          # every supported decode size
         assert G.gate_fused(torch.zeros(1, 4096, dtype=bf), gw)
         assert G.gate_fused(torch.zeros(G.GATE_MAX_T, 4096, dtype=f32), gw32)
@@ -90,12 +91,30 @@ def test_gpu_route_fused_gate_matches_reference(T, E, D, hash_layer, x_dtype, g_
     """The fused gate GEMM (decode sizes): ids equal to the torch reference's up to near-ties of the
     selection score, weights within 1e-5 relative, bit-identical on a repeat call; the cuBLAS path of
     the same provider agrees the same way."""
+    _check_fused_route(T, E, D, hash_layer, x_dtype, g_dtype, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kc,max_t", [(128, 64), (256, 16), (128, 16)])
+@pytest.mark.parametrize("T,E,D,hash_layer", [(1, 256, 4096, False), (16, 7, 520, False)])
+def test_gpu_route_fused_gate_geometries(kc, max_t, T, E, D, hash_layer):
+    """The fused gate GEMM at other K chunks / staged token rows (``moe_glue.ROUTE_VARIANT``): the same
+    contract as the default geometry (bf16 x and gate weights)."""
+    _check_fused_route(T, E, D, hash_layer, torch.bfloat16, torch.bfloat16, {"gate_kc": kc, "gate_max_t": max_t})
+
+
+def _check_fused_route(T, E, D, hash_layer, x_dtype, g_dtype, variant):
     _dsl_or_skip()
     from kernels_dsl import moe_glue as G
     x, gw, k, kw = _route_case(T, E, D, hash_layer, x_dtype, g_dtype, seed=T * 1000 + E)
     old = G.set_gate_fused(True)                         # the fused path at every supported size
+    G.ROUTE_VARIANT.update(variant)
     try:
         assert G.gate_fused(x, gw)
+        if variant:
+            cfg = G.route_config(E, hash_layer, x, gw)
+            assert (cfg.gate_kc, cfg.gate_max_t, cfg.n_part) == (variant["gate_kc"], variant["gate_max_t"],
+                                                                 -(-D // variant["gate_kc"]))
         with registry.use(moe_route="dsl"):
             idx_f, w_f = moe.moe_route(x, gw, topk=k, route_scale=2.5, **kw)
             idx_f2, w_f2 = moe.moe_route(x, gw, topk=k, route_scale=2.5, **kw)
@@ -103,6 +122,7 @@ def test_gpu_route_fused_gate_matches_reference(T, E, D, hash_layer, x_dtype, g_
             idx_c, w_c = moe.moe_route(x, gw, topk=k, route_scale=2.5, **kw)
     finally:
         G.set_gate_fused(old)
+        G.ROUTE_VARIANT.clear()
     with registry.use(moe_route="torch"):
         idx_t, w_t = moe.moe_route(x, gw, topk=k, route_scale=2.5, **kw)
     assert torch.equal(idx_f, idx_f2) and torch.equal(w_f, w_f2)          # deterministic

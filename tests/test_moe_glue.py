@@ -248,6 +248,43 @@ def test_permute_tokens_per_block_bounds():
         assert 1 <= tpb and tpb * 6 <= PERMUTE_CHUNK
 
 
+def test_dsl_configs_are_frozen_and_explained():
+    """moe_route / moe_permute name their launch choices: a frozen config from one heuristic, the per-problem
+    part from ``config(problem, target)``, the per-call part (gate GEMM fused or not, tokens per CTA) from
+    :func:`route_config` / :func:`permute_config`, which ``run`` uses and records; ``explain()`` shows it."""
+    import dataclasses
+
+    from dsv4.target import Target
+    pytest.importorskip("cutlass")
+    from kernels_dsl import moe_glue as G
+    t = Target.of("cpu")
+    for op, want in (("moe_route", "8 scores per lane"), ("moe_permute", "expert capacity 256")):
+        o = registry.get_op(op)
+        p = o.provider("dsl")
+        if isinstance(p, registry.Support):
+            pytest.skip(f"dsl provider unavailable: {p.reason}")
+        cfg = p.config(o.example_problem(t), t)
+        assert dataclasses.is_dataclass(cfg) and cfg.__dataclass_params__.frozen, (op, cfg)
+        ch = registry.Choice("dsl", "sm_90a", config=cfg)
+        assert want in ch.explain() and "config: " in ch.explain(), ch.explain()
+    # the per-call gate decision: fp32 gate weights from GATE_MIN_T_FP32 tokens fused (64 staged token rows), bf16
+    # ones up to GATE_MAX_T_BF16 tokens (16 rows), then cuBLAS
+    x = torch.zeros(8, 4096, dtype=torch.bfloat16)
+    c32 = G.route_config(256, False, x, torch.zeros(256, 4096, dtype=torch.float32))
+    c16 = G.route_config(256, False, x, torch.zeros(256, 4096, dtype=torch.bfloat16))
+    assert c32.gate_fused == G.gate_fused(x, torch.zeros(256, 4096)) and (c32.gate_fused, c32.n_part) == (True, 16)
+    assert (c32.gate_kc, c32.gate_max_t) == (G.GATE_KC, G.GATE_MAX_T)
+    assert (c16.gate_fused, c16.n_part, c16.gate_max_t) == (True, 16, G.GATE_SMALL_T) and "16 token rows" in str(c16)
+    cb = G.route_config(256, False, torch.zeros(32, 4096, dtype=torch.bfloat16), torch.zeros(256, 4096,
+                                                                                            dtype=torch.bfloat16))
+    assert (cb.gate_fused, cb.n_part, cb.n_per_lane) == (False, 1, 8) and "cuBLAS" in cb.explain()
+    assert G.route_config(256, True, x, torch.zeros(256, 4096)).n_per_lane == 1
+    pc = G.permute_config(384, 6, 4096, 132)
+    assert (pc.e_cap, pc.tokens_per_cta) == (512, G.permute_tokens_per_block(4096, 6, 132))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pc.e_cap = 1
+
+
 def test_dsl_supports_reasons():
     from dsv4.target import Target
     h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132, 0)
@@ -298,6 +335,9 @@ def test_dsl_glue_ptx(glue_ptx):
             assert ("shfl.sync.bfly" in topk) == ("hash" not in name), name         # arg-max by shuffles
             if "hash" not in name:   # the 64-bit arg-max key is unsigned (a signed max once ranked 0 = retired first)
                 assert "max.u64" in topk and not re.search(r"max\.s64|setp\.[a-z]+\.s64", topk), name
+            if gate and "hash" not in name:   # partial logits: 8 partials' loads issued before their adds
+                lds = [m.start() for m in re.finditer(r"ld\.global\.b32", topk)]
+                assert len(lds) > 8 * 8 and lds[8 * 8] < topk.index("add.f32"), name
             for g in gate:           # fused gate GEMM: 16-byte loads staged as fp32 in smem, SIMT register tiles
                 assert "ld.global.nc.v4" in g and "st.shared.v4.b32" in g and "ld.shared.v4" in g, name
                 assert "fma.rn.f32" in g and "ld.local" not in g, name

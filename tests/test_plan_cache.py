@@ -569,3 +569,87 @@ def test_trace_input_view_memo_cpu(monkeypatch):
     del y, seen[:]
     gc.collect()
     assert ref() is None                          # the kept view went with its argument
+
+
+def test_recording_new_shape_reuses_generated_code():
+    """The replay and hit code of a signature is compiled once per trace structure (dsv4/ops/_trace.py
+    exec_generated: its numeric literals are globals): a new shape of the same structure records a plan that
+    reuses it (counters), and that plan is bit-identical to the full path; the replay a hit inlines is never
+    compiled on its own."""
+    from dsv4.ops import _trace
+    _plan.clear()
+    _trace._CODE.clear()
+    outs = {}
+    for m in (4, 8, 16):
+        x = torch.randn(m, 512)
+        c0 = dict(_trace.CODE_STATS)
+        for _ in range(3):                                  # full path, recording, hit
+            got = ops.quantize_fp8_block(x, scale_fmt="ue8m0")
+        plan = _plan.plan_of(ops.quantize_fp8_block, x, scale_fmt="ue8m0")
+        assert callable(plan) and plan.launch is not None, _plan.WHY_NOT_REPLAYED
+        if _plan.INLINE and "_L(" not in plan.source:
+            assert plan.launch._fn is None                  # (inlined: never compiled itself)
+        compiled = _trace.CODE_STATS["compiled"] - c0["compiled"]
+        outs[m] = compiled, _trace.CODE_STATS["reused"] - c0["reused"]
+        _plan.ENABLED = False
+        try:
+            want = ops.quantize_fp8_block(x, scale_fmt="ue8m0")
+        finally:
+            _plan.ENABLED = True
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want)), m
+    assert outs[4][0] >= 1                                  # the first shape: the hit compiled
+    assert outs[8] == (0, 1) and outs[16] == (0, 1), outs  # later shapes: its code reused, nothing compiled
+
+
+def test_exec_generated_literals():
+    """exec_generated turns numbers and tuples of numbers into globals (strings, names, attributes kept): the
+    function computes what its source says, and a source differing only in those literals reuses the code."""
+    from dsv4.ops import _trace
+    src = ("def f(x):\n    a = (8, 64)\n    b = (-1,)\n    c = x.view(3, -2) if 1e-05 < 0.5 else None\n"
+           "    d = 'e4m3 12' + \"x9\" + str(t12) + kw['k3']\n    return a, b, c, d, [7][0], 1.5e3, (2, 3.5), x.n2\n")
+
+    class X:
+        n2 = "n2"
+
+        def view(self, *a):
+            return a
+    want = ((8, 64), (-1,), (3, -2), "e4m3 12x91K", 7, 1500.0, (2, 3.5), "n2")
+    assert _trace.exec_generated(src, {"t12": 1, "kw": {"k3": "K"}}, "f")(X()) == want
+    n = _trace.CODE_STATS["compiled"]
+    src2 = src.replace("(8, 64)", "(16, 4)").replace("3, -2", "5, -6").replace("1.5e3", "2.5")
+    f2 = _trace.exec_generated(src2, {"t12": 2, "kw": {"k3": "Q"}}, "f")
+    assert f2(X()) == ((16, 4), (-1,), (5, -6), "e4m3 12x92Q", 7, 2.5, (2, 3.5), "n2")
+    assert _trace.CODE_STATS["compiled"] == n and f2.source == src2
+
+
+def test_recording_mode_skips_dynamo_wrapper():
+    """The recording's dispatch mode calls its __torch_dispatch__ directly (no torch._dynamo.disable wrapper,
+    whose first call imports torch._dynamo: about a second on a process's first recorded signature)."""
+    from dsv4.ops import _trace
+    assert getattr(_trace.Watch.__torch_dispatch__, "__wrapped__", None) is None
+    assert _trace.Watch.__torch_dispatch__.__qualname__ == "Watch.__torch_dispatch__"
+
+
+def test_trace_empty_view_of_one_buffer_cpu(monkeypatch):
+    """Outputs carved out of one allocation where one part is empty at this size (moe_permute's bf16 ``a_s``:
+    shape (0,)): an empty view's ``data_ptr()`` is 0, not an address in its buffer; the replay makes it as a fresh
+    empty tensor of its facts, passes 0 for its address, and the other views stay views of the one buffer."""
+    def run(x):
+        buf = torch.empty((64 + 16,), dtype=torch.uint8)
+        a = buf[0:64].view(torch.float32).view(4, 4)
+        e = buf[64:64].view(torch.float32).view((0,))
+        a.copy_(x * 2)
+        return a, e
+    x = torch.randn(4, 4)
+    with _recording({"x": x}) as tr:
+        out = run(x)
+    tr.device, tr.stream = 0, 0
+    tr.lines.append(("launch", f"SINK(\x00P{tr._index(out[1])}:0\x00, \x00P{tr._index(out[0])}:0\x00)"))
+    launch = tr.replay(out, None)
+    assert launch is not None, tr.why
+    seen = []
+    monkeypatch.setitem(launch.__globals__, "SINK", lambda pe, pa: seen.append((pe, pa)))
+    monkeypatch.setitem(launch.__globals__, "C", _FakeC)
+    a, e = launch(x=x)
+    assert torch.equal(a, x * 2) and e.shape == (0,) and e.dtype == torch.float32
+    assert seen == [(0, a.data_ptr())]

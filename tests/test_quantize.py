@@ -447,6 +447,31 @@ def test_dsl_kernels_wait_for_the_preceding_grid_before_any_global_access():
             assert trig < first, name
 
 
+def test_dsl_providers_config_is_their_plan():
+    """Each DSL quantize provider's ``config(problem, target)`` is the frozen :class:`Plan` its ``run`` launches
+    (one heuristic: :func:`plan_nvfp4` ...), and ``explain()`` names it."""
+    import dataclasses
+
+    from dsv4.target import Target
+    pytest.importorskip("cutlass")
+    import kernels_dsl.quantize as kq
+    h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132, 0)
+    for op in ("quantize_nvfp4", "quantize_mxfp4", "quantize_fp8_block", "dequantize_fp8_block"):
+        o = registry.get_op(op)
+        p = o.provider("dsl")
+        if isinstance(p, registry.Support):
+            pytest.skip(f"dsl provider unavailable: {p.reason}")
+        for M in (1, 16, 8192):
+            prob = dataclasses.replace(o.example_problem(h200), M=M)
+            cfg = p.config(prob, h200)
+            assert isinstance(cfg, kq.Plan) and cfg.__dataclass_params__.frozen, (op, cfg)
+            assert cfg == p.config(prob, Target.of("cpu")), op          # no SMs: explained for the H200's 132
+            assert "config: Plan(" in registry.Choice("dsl", "sm_90a", config=cfg).explain()
+    nv = registry.get_op("quantize_nvfp4")
+    prob = dataclasses.replace(nv.example_problem(h200), M=16)
+    assert nv.provider("dsl").config(prob, h200) == kq.plan_nvfp4("bfloat16", True, False, 16, 7168, 132)
+
+
 def test_dsl_plans_are_frozen_configs_by_size_class():
     """The DSL launch geometry is a frozen Plan chosen from the problem (no environment switches):
     the measured LARGE geometry from two waves of warp tiles, short 4-warp tiles at decode sizes, the

@@ -583,3 +583,24 @@ def test_gpu_op_picks_dsl_and_is_graph_capturable():
     torch.cuda.synchronize()
     ro, rl = sparse_attention_paged_ref(q, swa, sidx, slen, sk, comp, cidx, clen)
     _check_close(og, lg, ro, rl, "graph replay, new lists")
+
+
+def test_dsl_provider_config_is_the_split_heuristic_cpu():
+    """Issue 17 item 3: the dsl provider names the frozen :class:`SplitConfig` ``run`` launches (the one
+    heuristic, :func:`choose_config`), explained in words."""
+    import dataclasses
+
+    from dsv4.ops.sparse_attention import SparseAttentionProblem
+    from dsv4.target import Target
+    pytest.importorskip("cutlass")
+    from kernels_dsl.sparse_attention import choose_config
+    p = registry.get_op("sparse_attention").provider("dsl")
+    if isinstance(p, registry.Support):
+        pytest.skip(p.reason)
+    h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132, 0)
+    for T, H, entries, split in ((4, 64, 384, 2), (6, 16, 224, 1), (64, 64, 640, None), (2, 128, 2048, None)):
+        cfg = p.config(SparseAttentionProblem("fp8_ds_mla", H, T, entries, split, "cuda"), h200)
+        assert cfg == choose_config(T, H, entries, 132, split) and type(cfg).__dataclass_params__.frozen
+        assert dataclasses.is_dataclass(cfg) and ("split" in str(cfg))
+        if split is not None:
+            assert cfg.num_splits == split

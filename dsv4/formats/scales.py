@@ -47,6 +47,12 @@ _FP32_2POW_M127_BITS = 0x00400000  # 2^-127 as an fp32 (subnormal) bit pattern
 _FP32_QNAN_BITS = 0x7FC00000
 
 
+def _view_as(name: str, t: torch.Tensor, want: torch.dtype, to: torch.dtype, layout: str) -> torch.Tensor:
+    """``t.view(to)`` (bit reinterpretation) after checking that ``t`` is ``want``."""
+    require_dtype(name, t, (want,), layout)
+    return t.view(to)
+
+
 # --------------------------------------------------------------------------- E4M3
 
 def e4m3_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -61,8 +67,7 @@ def e4m3_bytes(t: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError: ``t`` is not ``float8_e4m3fn``.
     """
-    require_dtype("t", t, (torch.float8_e4m3fn,), "E4M3 scales/values")
-    return t.view(torch.uint8)
+    return _view_as("t", t, torch.float8_e4m3fn, torch.uint8, "E4M3 scales/values")
 
 
 def e4m3_from_bytes(b: torch.Tensor) -> torch.Tensor:
@@ -77,8 +82,7 @@ def e4m3_from_bytes(b: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError: ``b`` is not ``uint8``.
     """
-    require_dtype("b", b, (torch.uint8,), "raw E4M3 bytes")
-    return b.view(torch.float8_e4m3fn)
+    return _view_as("b", b, torch.uint8, torch.float8_e4m3fn, "raw E4M3 bytes")
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +114,7 @@ def ue8m0_bytes(t: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError: ``t`` is not ``float8_e8m0fnu``.
     """
-    require_dtype("t", t, (torch.float8_e8m0fnu,), "UE8M0 scales")
-    return t.view(torch.uint8)
+    return _view_as("t", t, torch.float8_e8m0fnu, torch.uint8, "UE8M0 scales")
 
 
 def ue8m0_from_bytes(b: torch.Tensor) -> torch.Tensor:
@@ -120,8 +123,7 @@ def ue8m0_from_bytes(b: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError: ``b`` is not ``uint8``.
     """
-    require_dtype("b", b, (torch.uint8,), "raw UE8M0 bytes (byte b means 2^(b-127))")
-    return b.view(torch.float8_e8m0fnu)
+    return _view_as("b", b, torch.uint8, torch.float8_e8m0fnu, "raw UE8M0 bytes (byte b means 2^(b-127))")
 
 
 def ue8m0_decode(t: torch.Tensor) -> torch.Tensor:

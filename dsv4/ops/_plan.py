@@ -65,7 +65,7 @@ _HALF = MAX_PLANS // 2
 #: True: a plan replays the host trace of its provider's ``run`` recorded on the signature's second call
 #: (dsv4/ops/_trace.py: the allocations, views and launches only); False (or a run the trace cannot
 #: replay): the plan calls ``run``. Bit-identical to the full path for every graph case of every op on
-#: the H200 (tests/test_plan_cache.py, job eager9-01)
+#: the H200 (tests/test_plan_cache.py's GPU part)
 TRACE = True
 
 _Tensor, _Param = torch.Tensor, torch.nn.Parameter
@@ -210,9 +210,7 @@ def _key_function(args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple]:
                   "else:", "    G = NEWG(ts)", "    if G is None:", "        return GENERIC(a, kw)"]
         parts.insert(1, "G")
     src = "def key(a, kw):\n" + "".join(f"    {ln}\n" for ln in lines) + f"    return ({', '.join(parts)},)\n"
-    exec(src, g)  # noqa: S102 - generated from the argument structure
-    g["key"].source = src
-    return g["key"]
+    return _trace.exec_generated(src, g, "key", literals=False)   # (made once per argument structure)
 
 
 def _plain_eager() -> Callable[[], bool]:
@@ -431,7 +429,7 @@ def _out_expr(r: Any, outs: list[tuple[str, torch.Tensor]], g: dict) -> str | No
 def _element(r: torch.Tensor, outs: list[tuple[str, torch.Tensor]], g: dict) -> str | None:
     """A 0-dim result that is element ``j`` of a small 1-D output (``NVFP4Tensor.global_scale`` /
     ``global_encode_scale``): one ``as_strided`` of that output (element 0: no offset to read; cheaper than
-    ``unbind`` on the H200 host, job eagerA10-02: 2.2 us for two against 3.9); None otherwise."""
+    ``unbind`` on the H200 host: docs/benchmarks.md); None otherwise."""
     for e, b in outs:
         if (b.dim() == 1 and 0 < b.numel() <= 16 and b.stride() == (1,) and b.dtype == r.dtype
                 and b.device == r.device):
@@ -480,7 +478,6 @@ def _make_plan(fn: Callable, name: str, args: tuple, kwargs: dict, rec: _Recorde
     call = f"_P.run(_PB, {', '.join(parts)})"
     launch = tr.replay(out, functools.partial(_run, provider, problem)) if tr is not None else None
     if launch is not None:
-        g["_L"] = launch
         call = f"_L({', '.join(exprs)})"                 # (its parameters are run's, in order)
     elif tr is not None:
         WHY_NOT_REPLAYED[name] = tr.why
@@ -493,17 +490,20 @@ def _make_plan(fn: Callable, name: str, args: tuple, kwargs: dict, rec: _Recorde
     if fused is not None:                              # the replay's code in the hit itself: one call less
         g, body = fused
         src_code = f"{head}{body}    return {o}\n"
-    exec(src_code, g)  # noqa: S102 - generated from the recorded call (names are the run's parameters)
-    hit = g["hit"]
-    hit.source = src_code
-    exec(f"def _args_of(a, kw):\n    return ({''.join(e + ', ' for e in exprs)})\n", g)  # noqa: S102
-    hit.args_of = g["_args_of"]                          # run's arguments of a call (bench --lines)
+    elif launch is not None:
+        g["_L"] = launch.fn()                            # (compiled now: the hit calls it)
+    # (generated from the recorded call, names are the run's parameters; compiled once per structure)
+    hit = _trace.exec_generated(src_code, g, "hit")
+    # run's arguments of a call (bench --lines): compiled when first asked for
+    hit.args_of = _trace.Generated(f"def _args_of(a, kw):\n    return ({''.join(e + ', ' for e in exprs)})\n",
+                                   g, "_args_of")
     hit.provider, hit.op, hit.launch = provider, op.name, launch
     return hit
 
 
 #: True: a plan's hit runs its replay's code inline (no call of the replay function)
 INLINE = True
+_WORDS = re.compile(r"\w+")
 
 
 def _inline(launch: Callable, exprs: list[str], g: dict) -> tuple[dict, str] | None:
@@ -517,7 +517,8 @@ def _inline(launch: Callable, exprs: list[str], g: dict) -> tuple[dict, str] | N
     gg.update(g)
     ind = "    "
     code = "\n".join(lines) + "\n" + ret
-    used = [(p, e) for p, e in zip(params, exprs) if re.search(rf"\b{p}\b", code)]   # (the others: constants)
+    names = set(_WORDS.findall(code))
+    used = [(p, e) for p, e in zip(params, exprs) if p in names]   # (the others: constants)
     body = f"{ind}({''.join(p + ', ' for p, _ in used)}) = ({''.join(e + ', ' for _, e in used)})\n" if used else ""
     if launch.device is not None:
         fb = ", ".join(f"{p}={e}" for p, e in zip(params, exprs))

@@ -29,6 +29,11 @@ objects), changes a tensor's metadata in place, launches on a stream other than 
 or calls a dsv4 op through the dispatcher. A replay runs only on the device and stream it was
 recorded on (else ``run``). An int kernel argument of 2^32 or more inside no known tensor is a
 constant (e.g. 2^63 - 1, "no bound", or the address of a buffer the provider keeps).
+
+Recording cost (what a new signature pays once): the generated code is compiled once per *structure*
+(:func:`exec_generated`: its numbers are globals, so a new shape with the same steps only binds them), a
+replay that a plan's hit inlines is never compiled on its own (:class:`Generated`), and the dispatch
+mode runs without torch's ``_dynamo.disable`` wrapper (:class:`Watch`).
 """
 from __future__ import annotations
 
@@ -59,6 +64,8 @@ class NotReplayable(Exception):
 
 
 _DYNAMIC, _DATA = torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output
+#: op overload -> (its name, a dsv4 op, changes metadata in place): what :meth:`Trace.op` asks of every op
+_FUNC_INFO: dict = {}
 
 
 def value_dependent(func, args, out) -> bool:
@@ -79,7 +86,15 @@ def value_dependent(func, args, out) -> bool:
 class Watch(TorchDispatchMode):
     """The dispatch mode of a plan's recording (the whole first call): an op whose host-visible result
     depends on tensor values marks the recording (``rec.read_values``: no plan) when the public function
-    makes it, the trace (no replay) when the provider's run does; the run's ops go to its trace."""
+    makes it, the trace (no replay) when the provider's run does; the run's ops go to its trace.
+
+    Its ``__torch_dispatch__`` is not wrapped in ``torch._dynamo.disable`` (TorchDispatchMode's default: the
+    first call imports ``torch._dynamo``, about a second, and each op pays the wrapper): a recording runs only
+    in plain eager mode (:func:`dsv4.ops._plan._plain_eager`: never while compiling)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
     def __init__(self, rec):
         super().__init__()
@@ -99,6 +114,87 @@ class Watch(TorchDispatchMode):
             else:
                 rec.trace.op(func, args, kwargs, out)
         return out
+
+
+_raw = Watch.__dict__["__torch_dispatch__"]
+if getattr(_raw, "__wrapped__", None) is not None:      # (a torch that wraps it whatever _should_skip_dynamo says)
+    Watch.__torch_dispatch__ = _raw.__wrapped__
+del _raw
+
+
+# --------------------------------------------------------------------------------------------
+# generated code: compiled once per structure
+#: a generated function's source with its numeric literals (and tuples of them) replaced by globals is the
+#: same for every signature of one trace structure (the shapes, strides, offsets differ): compiled once
+#: (:func:`exec_generated`), a new shape of that structure only binds its literals. Bounded (cleared when full).
+_CODE: dict[str, Any] = {}
+CODE_MAX = 2048
+#: ``compiled`` / ``reused``: generated functions compiled / taken from :data:`_CODE` (tests, bench)
+CODE_STATS = {"compiled": 0, "reused": 0}
+_NUM = r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
+_LITERALS = re.compile(r"""(?=[0-9'"(])(?:('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")"""   # a string: kept
+                       rf"|(?<![\w)\].])(\((?:\s*{_NUM}\s*,)+(?:\s*{_NUM}\s*)?\))"   # a tuple of numbers
+                       r"|(?<![\w.])(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)(?![\w.]))")          # a number
+
+
+def _number(text: str) -> int | float:
+    return int(text) if text.lstrip("-").isdigit() else float(text)
+
+
+def exec_generated(src: str, g: dict, name: str, literals: bool = True) -> Any:
+    """``exec`` of the generated ``def name(...)`` in ``src`` with globals ``g``; returns the function. Its
+    literals become globals ``_lit_<name>_<i>`` of ``g`` (the code is that of every source of the same
+    structure: compiled once, see :data:`_CODE`); ``literals=False``: kept as they are (code made once per
+    structure anyway, e.g. a key function). ``.source`` is ``src``."""
+    vals: list[Any] = []
+    pre = f"_lit_{name}_"
+
+    def sub(m):
+        if m.group(1) is not None:
+            return m.group(1)
+        vals.append(tuple(map(_number, filter(None, map(str.strip, m.group(2)[1:-1].split(",")))))
+                    if m.group(2) is not None else _number(m.group(3)))
+        return f"{pre}{len(vals) - 1}"
+    generic = src if not literals or pre in src else _LITERALS.sub(sub, src)
+    code = _CODE.get(generic)
+    if code is None:
+        try:
+            code = compile(generic, f"<dsv4 generated {name}>", "exec")
+        except SyntaxError:                        # (a literal the rewrite got wrong: the source as it is)
+            generic, vals = src, []
+            code = compile(src, f"<dsv4 generated {name}>", "exec")
+        if len(_CODE) >= CODE_MAX:
+            _CODE.clear()
+        _CODE[generic] = code
+        CODE_STATS["compiled"] += 1
+    else:
+        CODE_STATS["reused"] += 1
+    for i, v in enumerate(vals):
+        g[f"{pre}{i}"] = v
+    exec(code, g)  # noqa: S102 - generated code (see the callers)
+    fn = g[name]
+    fn.source = src
+    return fn
+
+
+class Generated:
+    """A generated function compiled at its first call (:func:`exec_generated`): a replay whose code a plan's
+    hit inlines is never called itself, so never compiled. ``source``, ``__globals__`` (the dict it will run
+    with), :meth:`fn` (the function)."""
+    __slots__ = ("__globals__", "_fn", "device", "name", "parts", "source")
+
+    def __init__(self, src: str, g: dict, name: str):
+        self.source, self.__globals__, self.name, self._fn = src, g, name, None
+        self.parts = self.device = None
+
+    def fn(self) -> Any:
+        f = self._fn
+        if f is None:
+            f = self._fn = exec_generated(self.source, self.__globals__, self.name)
+        return f
+
+    def __call__(self, *args, **kwargs):
+        return self.fn()(*args, **kwargs)
 
 
 #: replays keep the workspaces of their kernels (allocations only launches use) per thread instead of
@@ -282,17 +378,20 @@ class Trace:
         if self.why:
             return
         try:
-            if func.namespace == "dsv4":
+            info = _FUNC_INFO.get(func)
+            if info is None:
+                base = func.__name__.split(".")[0] if hasattr(func, "__name__") else ""
+                info = _FUNC_INFO[func] = (str(func), func.namespace == "dsv4", base in _META_MUTATING)
+            name, dsv4_op, meta_mutating = info
+            if dsv4_op:
                 self.fail(f"{func} through the dispatcher")
-            base = func.__name__.split(".")[0] if hasattr(func, "__name__") else ""
-            if base in _META_MUTATING:
+            if meta_mutating:
                 self.fail(f"{func} changes a tensor's metadata in place")
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for o in outs:
                 if not isinstance(o, _Tensor) and o is not None:
                     self.fail(f"{func} returns a {type(o).__name__} (a value read on the host)")
-            name = str(func)
-            call = self._fast(func, args, kwargs, out)
+            call = self._fast(func, args, kwargs, out, name)
             if call is None:                 # any other op: through its overload (correct, a few us slower)
                 a = ", ".join([self.expr(x) for x in args] + [f"{k}={self.expr(v)}" for k, v in kwargs.items()])
                 call = f"{self._const(func._op if hasattr(func, '_op') else func)}({a})"
@@ -311,10 +410,10 @@ class Trace:
         except NotReplayable:
             pass
 
-    def _fast(self, func, args, kwargs, out) -> str | None:
+    def _fast(self, func, args, kwargs, out, name: str) -> str | None:
         """The op as the torch Python API call that does exactly it (an overload's own call costs 3-4x a
-        ``torch.empty``), for the ops providers' host glue makes; None for any other op or argument form."""
-        name = str(func)                     # e.g. "aten.empty.memory_format"
+        ``torch.empty``), for the ops providers' host glue makes; None for any other op or argument form.
+        ``name``: ``str(func)``, e.g. "aten.empty.memory_format"."""
         e = self.expr
         n = len(args)
         plain = kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory") \
@@ -326,7 +425,7 @@ class Trace:
         fresh = isinstance(out, _Tensor) and not kwargs.get("pin_memory") and out.layout == torch.strided
         if fresh and name in _ALLOCS:
             # a new allocation, whatever op made it: torch.empty_strided with the output's facts (the cheapest
-            # allocating call: ~1.8 us against 2.9 for torch.empty on the H200 host, job eager9-01)
+            # allocating call on the H200 host: docs/benchmarks.md's eager sections)
             return f"EMPTY_STRIDED({tuple(out.shape)!r}, {out.stride()!r}, dtype={e(out.dtype)}, device={e(out.device)})"
         if fresh and name in _ZEROS and out.is_contiguous():
             return f"ZEROS({tuple(out.shape)!r}, dtype={e(out.dtype)}, device={e(out.device)})"
@@ -440,6 +539,14 @@ class Trace:
         inf = self.info[i]
         if inf.built:
             return inf.name
+        t = inf.t
+        if not t.numel():
+            # a view with no elements (a part of one buffer that is empty at this size): its ``data_ptr()`` is 0,
+            # it has no bytes in its root -- a fresh empty tensor of its facts is the same to every reader
+            out.append(f"{inf.name} = EMPTY_STRIDED({tuple(t.shape)!r}, {t.stride()!r}, dtype={self._const(t.dtype)}, "
+                       f"device={self._const(t.device)})")
+            inf.built = True
+            return inf.name
         r, off = self._root(i)
         if r in self._ws_roots and out is not self._ws_lines:   # a view of a workspace: made with it, once
             return self._materialize(i, self._ws_lines)
@@ -497,6 +604,8 @@ class Trace:
             i = int(m.group(2))
             if m.group(1) == "T":
                 return self._materialize(i, out)
+            if not self.info[i].t.numel():          # (no elements: data_ptr() is 0, as the run passed it)
+                return "0"
             r, off = self._root(i)
             off += int(m.group(3))
             return f"{self._materialize(r, out)}.data_ptr()" + (f" + {off}" if off else "")
@@ -616,8 +725,7 @@ class Trace:
                 self.g["WS"], self.g["TID"], self.g["TAKE"] = _Workspaces(), threading.get_ident, _ws_take
                 mk = ("def MAKE_WS(tid):\n" + "".join(f"    {ln}\n" for ln in self._ws_lines)
                       + f"    W = ({names})\n    if TAKE(WS, {nbytes}):\n        WS[tid] = W\n    return W\n")
-                exec(mk, self.g)  # noqa: S102 - the workspaces' allocations, once per thread
-                self.g["MAKE_WS"].source = mk
+                exec_generated(mk, self.g, "MAKE_WS")       # the workspaces' allocations, once per thread
                 lines[:0] = ["W = WS.get(TID())", "if W is None:", "    W = MAKE_WS(TID())", f"({names}) = W"]
         except NotReplayable:
             return None
@@ -639,9 +747,7 @@ class Trace:
                      f"    return FALLBACK({', '.join(f'{p}={p}' for p in self.params)})"]
         body += lines + [f"return {ret}"]
         src = f"def launch({', '.join(self.params)}):\n" + "".join(f"    {ln}\n" for ln in body)
-        exec(src, g)  # noqa: S102 - generated from the recorded steps
-        fn = g["launch"]
-        fn.source = src
+        fn = Generated(src, g, "launch")                 # (compiled at its first call: a plan inlines it)
         fn.parts, fn.device = (list(self.params), lines, ret), self.device    # (for a plan's inlined hit)
         return fn
 

@@ -66,7 +66,7 @@ import torch
 
 from ..layout import LayoutError, OpSpec, Param, TensorSpec
 from ..reference.indexer import normalize_context_lens
-from ..registry import Op, Problem, custom_op, register
+from ..registry import Op, Problem, Support, custom_op, register
 from ..target import Target
 from ._plan import planned
 from .topk import K_MAX
@@ -171,6 +171,31 @@ class PagedProblem(Problem):
     block_size: int
     max_ctx: int
     device: str
+
+
+#: the decode kernels' tiles (both compiled providers of ``indexer_logits_paged`` / ``indexer_topk_paged``): pages
+#: read in 64-key tiles, N = 64 * next_n <= 256 query rows per WGMMA
+PAGED_TILE_KEYS = 64
+PAGED_MAX_NEXT_N = 4
+
+
+def paged_tile_limits(problem, kind: str) -> Support | None:
+    """``Support.no`` (reason prefixed by the provider ``kind``) when a paged problem is outside the decode
+    kernels' tiles -- ``block_size`` a multiple of :data:`PAGED_TILE_KEYS`, ``1 <= next_n <=``
+    :data:`PAGED_MAX_NEXT_N` -- else ``None``."""
+    if problem["block_size"] % PAGED_TILE_KEYS:
+        return Support.no(f"{kind}: block_size {problem['block_size']} is not a multiple of {PAGED_TILE_KEYS}")
+    if not 1 <= problem["next_n"] <= PAGED_MAX_NEXT_N:
+        return Support.no(f"{kind}: next_n {problem['next_n']} outside 1..{PAGED_MAX_NEXT_N} "
+                          f"(N = {PAGED_TILE_KEYS} * next_n <= {PAGED_TILE_KEYS * PAGED_MAX_NEXT_N})")
+    return None
+
+
+def paged_support(problem, kind: str, gate: Support | None, yes: str) -> Support:
+    """A paged decode provider's answer: its own ``gate`` (arch / format; ``None`` = passes), then
+    :func:`paged_tile_limits`, else ``Support.yes(yes)``."""
+    no = gate if gate is not None else paged_tile_limits(problem, kind)
+    return no if no is not None else Support.yes(yes)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,9 @@
 """Quantization ops: bf16/fp16 ``[M, K]`` -> NVFP4 / MXFP4 / FP8 blocks, and FP8-block dequant.
 
 Every op is bit-exact with the torch reference formats in :mod:`dsv4.formats` (the ``torch``
-provider calls them). GPU providers: CuTe DSL ``kernels_dsl/quantize.py`` (kernels in
-``kernels_dsl/quantize_fp4.py`` / ``quantize_fp8.py``) and CUDA ``kernels_cuda/quantize.cu``; the
-registry prefers the one measured faster for the problem class (the problem carries ``M``; the
-numbers are in ``kernels_dsl/quantize.py`` ``MEASURED``). NVFP4 / MXFP4 dequantization is the
+provider calls them). GPU provider: CuTe DSL ``kernels_dsl/quantize.py`` (kernels in
+``kernels_dsl/quantize_fp4.py`` / ``quantize_fp8.py``; its launch geometry follows the problem's size
+class, the problem carries ``M``; timings in docs/benchmarks.md). NVFP4 / MXFP4 dequantization is the
 existing op :func:`dsv4.ops.dequant_fp4`.
 
 The GPU providers never synchronize with the host (no ``.item()``): the NVFP4 global scale is
@@ -131,7 +130,7 @@ SPEC_DQ = OpSpec(
 
 # ------------------------------------------------------------------------------ problems
 # What selects a provider (frozen: the registry's cache key). ``M`` (rows) is part of every problem:
-# the registry prefers the provider measured faster for the size class (kernels_dsl/quantize.py MEASURED).
+# the DSL provider's launch plan (kernels_dsl/quantize.py ``config``) follows the size class.
 @dataclass(frozen=True)
 class Nvfp4Problem(Problem):
     in_dtype: str       # "bfloat16" | "float16"

@@ -13,8 +13,8 @@ stage ``b`` = 0..6 maps the pair ``(i, i + 2^b)`` (bit ``b`` of ``i`` clear) to 
 each ``add.rn.f32`` / ``sub.rn.f32``), then ONE fp32 multiply by ``fp32(128^-0.5)`` (= 0x3DB504F3),
 then ONE round-to-nearest-even to bf16. This is the arithmetic of the official kernel
 (``fast_hadamard_transform`` on a bf16 tensor: fp32 inside, bf16 out). The kernels
-(``kernels_dsl/indexer_quant.py`` ``_rotate_row``, ``kernels_cuda/common.cuh`` ``fwht128``, used by
-``kernels_cuda/indexer.cu`` and ``kernels_cuda/kv_cache.cu``) run the same operations in the same
+(``kernels_dsl/indexer_quant.py`` ``_rotate_lanes``, ``kernels_cuda/common.cuh`` ``fwht128``, used by
+``kernels_cuda/kv_cache.cu``) run the same operations in the same
 order (a cross-lane stage's upper lane computes ``p - d`` as ``fma(d, -1, p)``: the same single
 rounding), so kernel == reference bit for bit.
 

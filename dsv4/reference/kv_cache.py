@@ -355,19 +355,15 @@ class TorchKvGather(TorchProvider):
 class TorchKvCompressPrefill(TorchProvider):
     describe = "torch reference: model.py Compressor (softmax pooling, RMSNorm, RoPE, quant)"
 
-    def run(self, problem, *, kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
-            kv_state, score_state):
-        kv_compress_prefill_ref(kv, score, ape, norm_weight, rope_cos_sin, cu_seqlens, block_table, cache,
-                                kv_state, score_state, problem["eps"])
+    def run(self, problem, **tensors):  # the op's operands, named as the reference's arguments
+        kv_compress_prefill_ref(**tensors, eps=problem["eps"])
 
 
 class TorchKvCompressDecode(TorchProvider):
     describe = "torch reference: model.py Compressor decode step"
 
-    def run(self, problem, *, kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,
-            kv_state, score_state):
-        kv_compress_decode_ref(kv, score, ape, norm_weight, rope_cos_sin, positions, block_table, cache,
-                               kv_state, score_state, problem["eps"])
+    def run(self, problem, **tensors):
+        kv_compress_decode_ref(**tensors, eps=problem["eps"])
 
 
 PROVIDERS = {

@@ -9,11 +9,11 @@ to one, and :meth:`GroupedGemmConfig.explain` is the line that ``registry.last_c
 that fits the sm_90 opt-in capacity (227 KiB per CTA, or half the SM's 228 KiB with two CTAs per
 SM).
 
-Heuristic (measured reasons in docs/benchmarks.md once timed):
+Heuristic (the timings behind each choice: docs/benchmarks.md, "MoE grouped GEMMs in CuTe DSL"):
 
 * ``tile_m`` (token rows per CTA tile = 64 x consumer warpgroups): 128 when the largest expert
   holds more than 64 rows, else 64 (decode: one consumer warpgroup then decodes the whole
-  256-row weight tile; measured in job moe-12, 128-row tiles are 7-11% slower there).
+  256-row weight tile; 128-row tiles are slower there).
   The decision uses the real per-expert maximum when the caller passes it (``max_m``, the
   DeepGEMM ``expected_m_per_group`` idea), else the masked-layout ``max_m`` / ``R / E``.
 * ``stages``: the deepest TMA ring (activation tile + packed E2M1 tile per stage) that fits next
@@ -22,10 +22,10 @@ Heuristic (measured reasons in docs/benchmarks.md once timed):
 * ``scale_tma``: the weight scale bytes ride in the TMA stage whenever ``K / SF % 16 == 0`` (the
   DSV4 shapes); else the consumers load them from global memory one K block ahead.
 * No swap-AB variant: token rows stay the WGMMA M operand and one kernel serves prefill and decode
-  (the tile rows beyond an expert's count are TMA zero-fill and are never stored). Measured (job
-  moe-12): in the decode regime the 64-row MMA does not overlap the operand decode, so a swap-AB /
-  register-sourced variant is the next step there (the cuda decode kernel, swap-AB, is 1.5-1.7x
-  faster at <= 16 rows per expert and is the registry's choice there).
+  (the tile rows beyond an expert's count are TMA zero-fill and are never stored). In the decode
+  regime the 64-row MMA does not overlap the operand decode; there the cuda decode kernel
+  (kernels_cuda/moe_decode.cu, swap-AB) is faster and is the registry's choice at <= 16 rows per
+  expert.
 * No split-K: GEMM1's SwiGLU needs the complete sum; GEMM2 runs whole-K per tile.
 """
 from __future__ import annotations
@@ -115,8 +115,8 @@ class GroupedGemmConfig:
         The launch gives every thread the kernel's register count ``L`` (ptxas: 65536 / threads,
         rounded down to 8: 168 for 384 threads); ``setmaxnreg.inc`` takes registers only from what
         ``setmaxnreg.dec`` released, so ``(L - prod) * 128 >= (cons - L) * 128 * consumers`` must
-        hold or the consumers block forever. W4A8: 24 / 240 (no spill in the consumer K loop,
-        1.06-1.15x over 40 / 232 on the H200, job moe-22 / moe-23); W4A16: 40 / 232."""
+        hold or the consumers block forever. W4A8: 24 / 240 (no spill in the consumer K loop;
+        timings of both splits: docs/benchmarks.md); W4A16: 40 / 232."""
         L = min(255, 65536 // self.ctas_per_sm // self.threads) // 8 * 8
         prod = 24 if self.act == "fp8" else 40
         cons = min(240 if self.act == "fp8" else 232, (L * (1 + self.consumers) - prod) // self.consumers // 8 * 8)

@@ -500,8 +500,7 @@ if _HAVE_DSL:
 # offset 0 / 2 / 4 is the level offset of the binade, so the LOW BYTE of bits(a + M_E) is the level index.
 # bits(M_E) = 0x4A800000 + E * 0x800002 = eb * 0x800002 + E2M1_MAGIC_C with eb = max(expfield(a), 127):
 # 6 SASS instructions per element (mul, min |.|, shr, max, mad, add). Pairs pack as (s_2i+1 << 4) + s_2i (the
-# low byte holds both nibbles, no carry), 3 prmt gather the 4 bytes (job quant8-01: 2-4% faster quantizers
-# than the previous 8-instruction encoder, bit-identical). The signs come straight from the input halves
+# low byte holds both nibbles, no carry), 3 prmt gather the 4 bytes. The signs come straight from the input halves
 # (sign of y = sign of x, the scale is > 0). y = NaN is not handled (callers give the whole block the NaN
 # scale and zero codes).
 E2M1_MAGIC_C = (0x4A800000 - 127 * 0x800002) & _M32

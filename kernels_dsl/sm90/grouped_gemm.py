@@ -47,11 +47,10 @@ Structure (one CTA per SM, persistent over work units = (token M-tile, 256-row w
   acc * col_scale`` (fp32). Rows past an expert's count are never stored.
 
 Registers: the launch gives 168 per thread (384 threads); ``setmaxnreg.inc`` only hands out what
-``.dec`` released (a larger total deadlocks at launch, seen on the H200 in job moegemm-02), so
-warpgroup 0 + 2 consumer warpgroups share 3 x 168: W4A8 24 / 240 (the consumer K loop then has no
-spill: 192 accumulator registers + the decode; the producer / row-prologue warps spill a few
-words instead, off the critical path; job moe-22: 1.06-1.15x over 40 / 232), W4A16 40 / 232
-(no spills either way; 24 / 240 measured 2% slower there).
+``.dec`` released (a larger total deadlocks at launch), so warpgroup 0 + 2 consumer warpgroups
+share 3 x 168: W4A8 24 / 240 (the consumer K loop then has no spill: 192 accumulator registers +
+the decode; the producer / row-prologue warps spill a few words instead, off the critical path),
+W4A16 40 / 232 (no spills either way). Timings of both splits: docs/benchmarks.md.
 
 Precision contract (tests/test_moe.py, tests/test_moe_decode.py): W4A8 GEMM2 relative
 (Frobenius) error vs the exact-dequant fp32 reference on the same FP8 ``h`` <= 5e-3, NVFP4
@@ -82,7 +81,7 @@ try:
     from .epilogue import epilogue_gemm1, epilogue_gemm2, promote
     from . import fp4
     from .ptx import ld_global_nc_f32, ld_shared_b32, ld_shared_v4, st_shared_b32, st_shared_v4
-    from .scheduler import build_schedule, sched_words, unit_lookup
+    from .scheduler import build_schedule, cta_ids, sched_words, unit_lookup
     from .transform import (HALF_TILE_BYTES, decode_row_chunk, decoded_offset, ld_nc_u8, ld_nc_u16, row_prologue,
                             row_prologue_v4)
     _HAVE_DSL = True
@@ -196,11 +195,7 @@ if _HAVE_DSL:
                    mRW: cute.Tensor, mOut: cute.Tensor, mOutS: cute.Tensor, n_w: Int32, tiled_mma: cute.TiledMma,
                    sA_l: cute.ComposedLayout, sD_l: cute.ComposedLayout, sP_l: cute.Layout, sS_l: cute.Layout):
             cfg = self.cfg
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            wg = cute.arch.make_warp_uniform(tidx // 128)
+            tidx, bidx, gdim, warp, wg = cta_ids()
             if warp == 0:
                 cpasync.prefetch_descriptor(tma_a)
                 cpasync.prefetch_descriptor(tma_b)

@@ -45,51 +45,58 @@ if _HAVE_DSL:
         return llvm.inline_asm(ret, args, ptx, cons, has_side_effects=side, is_align_stack=False,
                                asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
+    #: the inline-asm register class of each operand type
+    _REG = {Int32: "r", Uint32: "r", Int64: "l", Float32: "f"}
+
+    def _ld(ptx, addr_ty, addr, ty, n, loc, ip):
+        """A load with side effects: ``$0 .. $n-1`` are ``n`` results of type ``ty`` (Uint32 or Float32),
+        ``$n`` the address of type ``addr_ty`` (Int32 shared, Int64 global); one value or a tuple."""
+        elem = T.f32() if ty is Float32 else T.i32()
+        r = _asm(elem if n == 1 else llvm.StructType.get_literal([elem] * n), ptx,
+                 ",".join(["=" + _REG[ty]] * n + [_REG[addr_ty]]), [_v(addr, addr_ty, loc, ip)], loc=loc, ip=ip)
+        return ty(r) if n == 1 else tuple(ty(llvm.extractvalue(elem, r, [i], loc=loc, ip=ip)) for i in range(n))
+
+    def _st(ptx, addr_ty, addr, ty, vals, loc, ip):
+        """A store: ``$0`` the address of type ``addr_ty``, ``$1 ..`` the ``vals`` as type ``ty``."""
+        _asm(None, ptx, ",".join([_REG[addr_ty]] + [_REG[ty]] * len(vals)),
+             [_v(addr, addr_ty, loc, ip)] + [_v(x, ty, loc, ip) for x in vals], loc=loc, ip=ip)
+
     @dsl_user_op
     def ld_shared_v4(addr, *, loc=None, ip=None):
         """``ld.shared.v4.b32`` at a 16-byte aligned shared address -> 4 Uint32."""
-        r = _asm(llvm.StructType.get_literal([T.i32()] * 4), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-                 "=r,=r,=r,=r,r", [_v(addr, Int32, loc, ip)], loc=loc, ip=ip)
-        return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4))
+        return _ld("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", Int32, addr, Uint32, 4, loc, ip)
 
     @dsl_user_op
     def ld_shared_v2(addr, *, loc=None, ip=None):
         """``ld.shared.v2.b32`` at an 8-byte aligned shared address -> 2 Uint32."""
-        r = _asm(llvm.StructType.get_literal([T.i32()] * 2), "ld.shared.v2.b32 {$0, $1}, [$2];",
-                 "=r,=r,r", [_v(addr, Int32, loc, ip)], loc=loc, ip=ip)
-        return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(2))
+        return _ld("ld.shared.v2.b32 {$0, $1}, [$2];", Int32, addr, Uint32, 2, loc, ip)
 
     @dsl_user_op
     def ld_shared_b32(addr, *, loc=None, ip=None):
         """``ld.shared.b32`` -> Uint32."""
-        return Uint32(_asm(T.i32(), "ld.shared.b32 $0, [$1];", "=r,r", [_v(addr, Int32, loc, ip)], loc=loc, ip=ip))
+        return _ld("ld.shared.b32 $0, [$1];", Int32, addr, Uint32, 1, loc, ip)
 
     @dsl_user_op
     def st_shared_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None):
         """``st.shared.v4.b32`` of 4 words at a 16-byte aligned shared address."""
-        _asm(None, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-             [_v(addr, Int32, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
+        _st("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", Int32, addr, Uint32, (w0, w1, w2, w3), loc, ip)
 
     @dsl_user_op
     def st_shared_b32(addr, w, *, loc=None, ip=None):
-        _asm(None, "st.shared.b32 [$0], $1;", "r,r", [_v(addr, Int32, loc, ip), _v(w, Uint32, loc, ip)],
-             loc=loc, ip=ip)
+        _st("st.shared.b32 [$0], $1;", Int32, addr, Uint32, (w,), loc, ip)
 
     @dsl_user_op
     def ld_shared_v2_f32(addr, *, loc=None, ip=None):
         """8-byte shared load -> 2 x Float32 (addr 8 B aligned)."""
-        r = _asm(llvm.StructType.get_literal([T.f32()] * 2), "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r",
-                 [_v(addr, Int32, loc, ip)], loc=loc, ip=ip)
-        return tuple(Float32(llvm.extractvalue(T.f32(), r, [i], loc=loc, ip=ip)) for i in range(2))
+        return _ld("ld.shared.v2.f32 {$0, $1}, [$2];", Int32, addr, Float32, 2, loc, ip)
 
     @dsl_user_op
     def ld_shared_f32(addr, *, loc=None, ip=None):
-        return Float32(_asm(T.f32(), "ld.shared.f32 $0, [$1];", "=f,r", [_v(addr, Int32, loc, ip)], loc=loc, ip=ip))
+        return _ld("ld.shared.f32 $0, [$1];", Int32, addr, Float32, 1, loc, ip)
 
     @dsl_user_op
     def st_shared_f32(addr, x, *, loc=None, ip=None):
-        _asm(None, "st.shared.f32 [$0], $1;", "r,f", [_v(addr, Int32, loc, ip), _v(x, Float32, loc, ip)],
-             loc=loc, ip=ip)
+        _st("st.shared.f32 [$0], $1;", Int32, addr, Float32, (x,), loc, ip)
 
     # ---------------------------------------------------------------- bulk copies, mbarriers, fences
     @dsl_user_op
@@ -160,54 +167,45 @@ if _HAVE_DSL:
     @dsl_user_op
     def ld_global_nc_b32(addr, *, loc=None, ip=None):
         """``ld.global.nc.b32`` (read-only path) at a 4-byte aligned 64-bit address -> Uint32."""
-        return Uint32(_asm(T.i32(), "ld.global.nc.b32 $0, [$1];", "=r,l", [_v(addr, Int64, loc, ip)],
-                           loc=loc, ip=ip))
+        return _ld("ld.global.nc.b32 $0, [$1];", Int64, addr, Uint32, 1, loc, ip)
 
     @dsl_user_op
     def ld_global_nc_u8(addr, *, loc=None, ip=None):
         """``ld.global.nc.u8`` -> Uint32 (zero-extended byte)."""
-        return Uint32(_asm(T.i32(), "{\n.reg .b16 t;\nld.global.nc.u8 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,l",
-                           [_v(addr, Int64, loc, ip)], loc=loc, ip=ip))
+        return _ld("{\n.reg .b16 t;\nld.global.nc.u8 t, [$1];\ncvt.u32.u16 $0, t;\n}", Int64, addr, Uint32, 1, loc, ip)
 
     @dsl_user_op
     def ld_global_nc_u16(addr, *, loc=None, ip=None):
         """``ld.global.nc.u16`` at a 2-byte aligned address -> Uint32 (zero-extended)."""
-        return Uint32(_asm(T.i32(), "{\n.reg .b16 t;\nld.global.nc.u16 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,l",
-                           [_v(addr, Int64, loc, ip)], loc=loc, ip=ip))
+        return _ld("{\n.reg .b16 t;\nld.global.nc.u16 t, [$1];\ncvt.u32.u16 $0, t;\n}", Int64, addr, Uint32, 1, loc, ip)
 
     @dsl_user_op
     def ld_global_nc_f32(addr, *, loc=None, ip=None):
         """``ld.global.nc.f32`` -> Float32."""
-        return Float32(_asm(T.f32(), "ld.global.nc.f32 $0, [$1];", "=f,l", [_v(addr, Int64, loc, ip)],
-                            loc=loc, ip=ip))
+        return _ld("ld.global.nc.f32 $0, [$1];", Int64, addr, Float32, 1, loc, ip)
 
     @dsl_user_op
     def st_global_b16(addr, w, *, loc=None, ip=None):
         """Store the low 16 bits of ``w`` (``st.global.b16``)."""
-        _asm(None, "{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.global.b16 [$0], t;\n}", "l,r",
-             [_v(addr, Int64, loc, ip), _v(w, Uint32, loc, ip)], loc=loc, ip=ip)
+        _st("{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.global.b16 [$0], t;\n}", Int64, addr, Uint32, (w,), loc, ip)
 
     @dsl_user_op
     def st_global_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None):
         """16-byte global store ``st.global.v4.b32`` (16 B aligned 64-bit address)."""
-        _asm(None, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
-             [_v(addr, Int64, loc, ip)] + [_v(w, Uint32, loc, ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
+        _st("st.global.v4.b32 [$0], {$1, $2, $3, $4};", Int64, addr, Uint32, (w0, w1, w2, w3), loc, ip)
 
     @dsl_user_op
     def st_global_b32(addr, w, *, loc=None, ip=None):
-        _asm(None, "st.global.b32 [$0], $1;", "l,r", [_v(addr, Int64, loc, ip), _v(w, Uint32, loc, ip)],
-             loc=loc, ip=ip)
+        _st("st.global.b32 [$0], $1;", Int64, addr, Uint32, (w,), loc, ip)
 
     @dsl_user_op
     def st_global_f32(addr, x, *, loc=None, ip=None):
-        _asm(None, "st.global.f32 [$0], $1;", "l,f", [_v(addr, Int64, loc, ip), _v(x, Float32, loc, ip)],
-             loc=loc, ip=ip)
+        _st("st.global.f32 [$0], $1;", Int64, addr, Float32, (x,), loc, ip)
 
     @dsl_user_op
     def st_global_b64(addr, x0, x1, *, loc=None, ip=None):
         """``st.global.v2.f32`` of two fp32 values at an 8-byte aligned address."""
-        _asm(None, "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
-             [_v(addr, Int64, loc, ip), _v(x0, Float32, loc, ip), _v(x1, Float32, loc, ip)], loc=loc, ip=ip)
+        _st("st.global.v2.f32 [$0], {$1, $2};", Int64, addr, Float32, (x0, x1), loc, ip)
 
     @dsl_user_op
     def e4m3_byte_to_f32(b, *, loc=None, ip=None):

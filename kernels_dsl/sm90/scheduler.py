@@ -1,4 +1,6 @@
-"""Device-side tile schedulers of the sm_90a grouped GEMMs (CuTe DSL device functions).
+"""Device-side tile scheduling of the sm_90a persistent GEMMs (CuTe DSL device functions): the ids every
+persistent CTA starts from (:func:`cta_ids`, also used by kernels_dsl/fp8_gemm.py) and the grouped GEMMs'
+expert tile schedule.
 
 Grouped layout contract (``dsv4.ops.moe.MoEGrouped``, from ``moe_permute``): expert ``e`` owns
 grouped rows ``[row_start[e], row_start[e] + row_count[e])``. The *contiguous* layout (rows
@@ -31,7 +33,7 @@ try:
 except Exception:  # noqa: BLE001
     _HAVE_DSL = False
 
-__all__ = ["sched_words", "build_schedule", "unit_lookup"]
+__all__ = ["cta_ids", "sched_words", "build_schedule", "unit_lookup"]
 
 
 def sched_words(e_cap: int) -> int:
@@ -40,6 +42,17 @@ def sched_words(e_cap: int) -> int:
 
 
 if _HAVE_DSL:
+
+    def cta_ids():
+        """``(tidx, bidx, gdim, warp, wg)`` at the top of a persistent kernel: the thread in the CTA, the CTA,
+        the grid size (the persistent stride), the warp and the warpgroup, both made warp-uniform (the role
+        branches test them). Trace-time code, no control flow."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        return tidx, bidx, gdim, warp, wg
 
     @cute.jit
     def build_schedule(mRS: cute.Tensor, mRC: cute.Tensor, sSched: cute.Tensor, R: Int32, E: Int32,
