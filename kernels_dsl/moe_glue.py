@@ -1096,14 +1096,15 @@ class DslMoEPermute(_DslGlue):
             return a, a_s, rs, torch.zeros(E, dtype=torch.int32, device=dev), rw, pos
         row_start = torch.empty((E,), dtype=torch.int32, device=dev)
         row_count = torch.empty((E,), dtype=torch.int32, device=dev)
-        cfg = permute_config(E, k, T, Target.of(dev).sm_count)
+        tgt = Target.of(dev)
+        cfg = permute_config(E, k, T, tgt.sm_count)
         self.op.record_config(cfg)
         xs = _aligned(x)
         ids = _aligned(topk_idx)                     # [T, k] as they are (the kernel reads them flat)
         wt = topk_w.to(torch.float32).contiguous()
         x_dt = str(x.dtype).replace("torch.", "")
         idx_dt = str(topk_idx.dtype).replace("torch.", "")
-        arch = Target.of(dev).arch
+        arch = tgt.arch
         key = ("moe_permute", act, layout, cfg.e_cap, x_dt, idx_dt, arch)
         fn = compile_cached(key, lambda: _compile_permute(act, layout, cfg.e_cap, x_dt, idx_dt, arch))
         a_arg = _dl(a, 16, cutlass.Float8E4M3FN) if act == "fp8" else _dl(a, 16)

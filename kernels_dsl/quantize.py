@@ -17,8 +17,8 @@ layout; or a grid-synchronized launch for tensors of at most one 4-warp CTA per 
 stay in registers across the grid-wide amax: x read once), else two (amax partials, then quantize;
 x read twice, its last ``L2_KEEP_BYTES`` kept in L2).
 
-Launch geometry: :func:`plan` (a frozen :class:`Plan` per problem: kernel config + grid cap) from
-the size class -- the measured :data:`LARGE` geometry for tensors of two or more waves of warp
+Launch geometry: each provider's ``config`` (:func:`plan_nvfp4` / :func:`plan_mxfp4` / :func:`plan_fp8` /
+:func:`plan_dequant`: a frozen :class:`Plan` per problem: kernel config + grid cap) from the size class -- the measured :data:`LARGE` geometry for tensors of two or more waves of warp
 tiles, small 4-warp CTAs with short tiles at decode sizes (:func:`_geometry`).
 
 The grid-synchronized path keeps one 8-byte counter per (device, stream) (:func:`_grid_workspace`,
@@ -56,7 +56,7 @@ L2_KEEP_BYTES = 32 << 20
 
 @dataclass(frozen=True)
 class Plan:
-    """One quantizer launch as :func:`plan` chose it: the kernel specialization (its compile key) and
+    """One quantizer launch as the provider's ``config`` chose it: the kernel specialization (its compile key) and
     the persistent-grid cap (CTAs of ``cfg.warps`` warps per SM)."""
 
     cfg: Any                 # Fp4Config | Fp8Config | Fp8DqConfig
@@ -195,22 +195,6 @@ def plan_dequant(block: int, ue8m0: bool, out_dtype: str, M: int, K: int, sms: i
         g = {"units": u, "warps": 4, "ctas_per_sm": 8, "pdl_early": True}
     cfg = Fp8DqConfig(block, ue8m0, out_dtype, g["units"], g["warps"], g["pdl_early"])
     return Plan(*_override("dequant", cfg, g["ctas_per_sm"]))
-
-
-def plan(op: str, problem) -> Plan:
-    """The launch the provider of ``op`` runs for ``problem`` on the current device (``dsv4 ops``
-    shows it); needs ``M`` in the problem."""
-    import torch
-    sms = _sm_count(torch.cuda.current_device())
-    M, K = problem["M"], problem["K"]
-    if op == "quantize_nvfp4":
-        return plan_nvfp4(problem["in_dtype"], problem["sf_layout"] == "swizzled", problem["global_scale"] in (True, 1),
-                          M, K, sms)
-    if op == "quantize_mxfp4":
-        return plan_mxfp4(problem["in_dtype"], problem["rule"], M, K, sms)
-    if op == "quantize_fp8_block":
-        return plan_fp8(problem["block"], _fp8_scale(problem), problem["in_dtype"], M, K, sms)
-    return plan_dequant(problem["block"], problem["scale_dtype"] == "float8_e8m0fnu", problem["out_dtype"], M, K, sms)
 
 
 def _fp8_scale(problem) -> int:
